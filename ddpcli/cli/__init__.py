@@ -1,0 +1,72 @@
+"""The Typer app: one small function per command, flags -> config -> engine.
+
+Each command lives in its own module here and registers itself on `app`.
+
+Nothing here imports torch at module level: `ddpcli --help` answers at once.
+"""
+
+from __future__ import annotations
+
+import sys
+import traceback
+from typing import Annotated
+
+import typer
+
+from ddpcli import ui
+from ddpcli.errors import DdpcliError
+
+app = typer.Typer(
+    name="ddpcli",
+    help="PyTorch DistributedDataParallel training on several GPUs or machines.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+checkpoint_app = typer.Typer(
+    help="Inspect, verify and convert checkpoints, safely.", no_args_is_help=True
+)
+app.add_typer(checkpoint_app, name="checkpoint")
+
+_state = {"debug": False}
+
+
+@app.callback()
+def _root(
+    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks.")] = False,
+) -> None:
+    _state["debug"] = debug
+
+
+def run_command(action, json_output: bool = False) -> None:
+    """Run an engine call; turn our errors into a short message and their exit code."""
+    from ddpcli.config import debug_requested
+
+    try:
+        action()
+    except DdpcliError as error:
+        if debug_requested(_state["debug"]):
+            traceback.print_exc()
+        ui.error(error.message)
+        raise typer.Exit(error.exit_code) from None
+    except KeyboardInterrupt:
+        ui.error("interrupted")
+        raise typer.Exit(130) from None
+    except Exception as error:  # an unexpected failure: one line, traceback on request
+        if debug_requested(_state["debug"]):
+            traceback.print_exc()
+        ui.error(f"{type(error).__name__}: {error}".splitlines()[0])
+        ui.error("run again with --debug (or DDPCLI_DEBUG=1) for the traceback")
+        raise typer.Exit(1) from None
+
+
+# Each module registers its command(s) on `app` when imported.
+from ddpcli.cli import train as _train  # noqa: E402, F401
+
+
+def main() -> None:
+    # The legacy launcher passes --local-rank=N (or --local_rank=N) before our arguments; the
+    # same value is in LOCAL_RANK, so it is dropped here.
+    sys.argv = [arg for arg in sys.argv if not arg.startswith(("--local-rank", "--local_rank"))]
+    app()

@@ -1,0 +1,382 @@
+"""The run's configuration: pydantic models, recipe loading, and the one place that
+reads flags, recipes and the launcher's environment variables.
+
+Precedence: built-in defaults < recipe file < command-line flags. `resolve_train_config`
+then fills every "auto" value from the machine, so `config.json` holds what really ran.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from ddpcli.errors import usage_error
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+Backend = Literal["auto", "nccl", "gloo"]
+Precision = Literal["auto", "bf16", "fp16", "fp32"]
+DatasetName = Literal["synthetic", "stl10", "imagefolder"]
+
+
+class TrainConfig(BaseModel):
+    """Everything `ddpcli train` needs. Field names are the flags with `_` for `-`."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    # data
+    dataset: DatasetName = "synthetic"
+    data_dir: Path | None = None
+    download: bool = False
+    image_size: int | None = Field(None, ge=8, le=1024)
+    synthetic_size: int = Field(4096, ge=16, description="training images of the synthetic set")
+    data_path: Literal["auto", "device", "loader"] = "auto"
+    workers: int | None = Field(None, ge=0, description="DataLoader workers per rank")
+    # model and optimisation
+    arch: str | None = None
+    epochs: int = Field(5, ge=1)
+    per_gpu_batch: int = Field(64, ge=1)
+    accumulate: int = Field(1, ge=1)
+    lr: float = Field(0.1, gt=0)
+    momentum: float = Field(0.9, ge=0, lt=1)
+    weight_decay: float = Field(5e-4, ge=0)
+    warmup_epochs: float = Field(1.0, ge=0)
+    label_smoothing: float = Field(0.0, ge=0, lt=1)
+    seed: int = Field(0, ge=0)
+    precision: Precision = "auto"
+    compile: bool = False
+    max_steps: int | None = Field(None, ge=1)
+    # processes and devices
+    gpus: list[int] | None = None
+    cpu: bool = False
+    nproc: int | None = Field(None, ge=1, le=1024)
+    backend: Backend = "auto"
+    strategy: Literal["ddp", "dp", "balanced-dp"] = "ddp"
+    gpu0_batch: int | None = Field(None, ge=1)
+    # multi-node
+    nnodes: int = Field(1, ge=1)
+    node_rank: int = Field(0, ge=0)
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = Field(None, ge=1, le=65535)
+    init_method: str | None = None
+    ifname: str | None = None
+    timeout: float = Field(300.0, gt=0, description="seconds for init and every collective")
+    max_restarts: int = Field(0, ge=0)
+    # outputs
+    out: Path | None = None
+    resume: str | None = None
+    save_every_steps: int | None = Field(None, ge=1)
+    keep_last: int = Field(3, ge=0)
+    log_dir: Path | None = None
+    log_every: int = Field(10, ge=1, description="steps between progress lines")
+
+    @field_validator("gpus", mode="before")
+    @classmethod
+    def _parse_gpu_list(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return parse_int_list(value, "gpus")
+        return value
+
+    @field_validator("gpus")
+    @classmethod
+    def _gpus_unique(cls, value: list[int] | None) -> list[int] | None:
+        if value is not None:
+            if not value:
+                raise ValueError("give at least one GPU index, e.g. --gpus 0,1")
+            if any(index < 0 for index in value):
+                raise ValueError("GPU indices are 0 or more, as nvidia-smi numbers them")
+            if len(set(value)) != len(value):
+                raise ValueError(f"each GPU may be listed once (got {value})")
+        return value
+
+    @field_validator("init_method")
+    @classmethod
+    def _init_method_scheme(cls, value: str | None) -> str | None:
+        if value is None or value == "env://":
+            return value
+        if re.fullmatch(r"tcp://[^:/\s]+:\d{1,5}", value):
+            port = int(value.rsplit(":", 1)[1])
+            if not 1 <= port <= 65535:
+                raise ValueError(f"port {port} is out of range 1-65535")
+            return value
+        if re.fullmatch(r"file:///\S+", value):
+            return value
+        raise ValueError("use env://, tcp://HOST:PORT or file:///ABSOLUTE/PATH")
+
+    @field_validator("resume")
+    @classmethod
+    def _resume_value(cls, value: str | None) -> str | None:
+        return None if value in (None, "", "none") else value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> TrainConfig:
+        if self.node_rank >= self.nnodes:
+            raise ValueError(
+                f"node_rank {self.node_rank} must be below nnodes {self.nnodes} "
+                f"(0..{self.nnodes - 1})"
+            )
+        if self.cpu and self.gpus:
+            raise ValueError("--cpu and --gpus exclude each other; pick one")
+        if self.dataset != "synthetic" and self.data_dir is None:
+            raise ValueError(f"--dataset {self.dataset} needs --data-dir DIR")
+        if self.strategy == "balanced-dp" and self.gpu0_batch is None:
+            raise ValueError("--strategy balanced-dp needs --gpu0-batch N")
+        return self
+
+    # Values derived from the config, never stored twice.
+    @property
+    def uses_gpus(self) -> bool:
+        return not self.cpu and bool(self.gpus)
+
+    @property
+    def nproc_per_node(self) -> int:
+        if self.strategy != "ddp":
+            return 1
+        return len(self.gpus) if self.uses_gpus else (self.nproc or 2)
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc_per_node * self.nnodes
+
+    @property
+    def global_batch(self) -> int:
+        return self.per_gpu_batch * self.world_size * self.accumulate
+
+
+def parse_int_list(text: str, name: str) -> list[int]:
+    try:
+        return [int(part) for part in text.replace(" ", "").split(",") if part != ""]
+    except ValueError:
+        raise ValueError(f"{name} takes a comma-separated list of integers, e.g. 0,3") from None
+
+
+def parse_float_list(text: str, name: str) -> list[float]:
+    try:
+        return [float(part) for part in text.replace(" ", "").split(",") if part != ""]
+    except ValueError:
+        raise ValueError(f"{name} takes a comma-separated list of numbers, e.g. 3,5") from None
+
+
+def describe_validation_error(error: ValidationError) -> str:
+    """One line per problem, naming the flag and what is allowed."""
+    lines = []
+    for problem in error.errors():
+        field = ".".join(str(part) for part in problem["loc"] if not isinstance(part, int))
+        message = problem["msg"].removeprefix("Value error, ")
+        if problem["type"] == "extra_forbidden":
+            message = "is not a known setting (see `ddpcli train --help`)"
+        flag = f"--{field.replace('_', '-')}" if field else "configuration"
+        given = problem.get("input")
+        shown = f" (got {given!r})" if field and not isinstance(given, dict) else ""
+        lines.append(f"invalid {flag}: {message}{shown}")
+    return "\n".join(lines[:2])
+
+
+def load_recipe(path: Path) -> dict[str, Any]:
+    """A recipe is a TOML file of flag names (`per_gpu_batch = 32` or `per-gpu-batch = 32`),
+    at the top level or under a `[train]` table."""
+    try:
+        with open(path, "rb") as handle:
+            data = tomllib.load(handle)
+    except FileNotFoundError:
+        raise usage_error(f"recipe {path} does not exist; see recipes/ for examples") from None
+    except (OSError, tomllib.TOMLDecodeError) as error:
+        raise usage_error(f"recipe {path} is not readable TOML: {error}") from None
+    table = data.get("train", data)
+    if not isinstance(table, dict):
+        raise usage_error(f"recipe {path}: [train] must be a table of settings")
+    return {key.replace("-", "_"): value for key, value in table.items()}
+
+
+def build_train_config(flags: dict[str, Any], recipe: Path | None) -> TrainConfig:
+    """Defaults < recipe < flags; flags left at None mean "not given"."""
+    values = load_recipe(recipe) if recipe else {}
+    values.update({key: value for key, value in flags.items() if value is not None})
+    try:
+        return TrainConfig(**values)
+    except ValidationError as error:
+        raise usage_error(describe_validation_error(error)) from None
+
+
+def default_out_dir() -> Path:
+    return Path("runs") / _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+
+
+# --- The launcher's environment -------------------------------------------------------
+
+
+class LauncherEnv(BaseModel):
+    """Rank information a launcher (torchrun, the legacy launcher, SLURM, or our own
+    elastic agent) hands to a worker through environment variables."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    node_rank: int = 0
+    master_addr: str | None = None
+    master_port: int | None = None
+    restart_count: int = 0
+    launcher: str = "torchrun"
+
+
+def _slurm_master_addr(nodelist: str) -> str:
+    """First host of a SLURM node list such as `gpu[01-04,07],login1` -> `gpu01`."""
+    first = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist)
+    if not first:
+        return nodelist
+    prefix, ranges = first.group(1), first.group(2)
+    if not ranges:
+        return prefix
+    return prefix + ranges.split(",")[0].split("-")[0]
+
+
+def read_launcher_env(environ: dict[str, str] | None = None) -> LauncherEnv | None:
+    """The worker's place in the world when a launcher started us, else None."""
+    env = os.environ if environ is None else environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        world_size = int(env["WORLD_SIZE"])
+        return LauncherEnv(
+            rank=int(env["RANK"]),
+            local_rank=int(env.get("LOCAL_RANK", 0)),
+            world_size=world_size,
+            local_world_size=int(env.get("LOCAL_WORLD_SIZE", world_size)),
+            node_rank=int(env.get("GROUP_RANK", env.get("NODE_RANK", 0))),
+            master_addr=env.get("MASTER_ADDR"),
+            master_port=int(env["MASTER_PORT"]) if env.get("MASTER_PORT") else None,
+            restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", 0)),
+            launcher="elastic" if "TORCHELASTIC_RUN_ID" in env else "env",
+        )
+    if "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
+        tasks_per_node = int(env.get("SLURM_NTASKS_PER_NODE", "1").split("(")[0])
+        return LauncherEnv(
+            rank=int(env["SLURM_PROCID"]),
+            local_rank=int(env.get("SLURM_LOCALID", 0)),
+            world_size=int(env["SLURM_NTASKS"]),
+            local_world_size=tasks_per_node,
+            node_rank=int(env.get("SLURM_NODEID", 0)),
+            master_addr=env.get("MASTER_ADDR") or _slurm_master_addr(env.get("SLURM_NODELIST", "")),
+            master_port=int(env.get("MASTER_PORT", 0)) or None,
+            launcher="slurm",
+        )
+    return None
+
+
+def debug_requested(flag: bool) -> bool:
+    return flag or os.environ.get("DDPCLI_DEBUG", "") not in ("", "0")
+
+
+def cpu_count() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
+# --- Resolution against the machine (imports torch lazily) --------------------------------
+
+
+def physical_gpu_count() -> int:
+    """GPUs as nvidia-smi numbers them, regardless of CUDA_VISIBLE_DEVICES, without
+    creating a CUDA context in this (launcher) process."""
+    import shutil
+    import subprocess
+
+    if shutil.which("nvidia-smi"):
+        try:
+            listing = subprocess.run(
+                ["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20, check=True
+            ).stdout
+            return sum(1 for line in listing.splitlines() if line.startswith("GPU "))
+        except (subprocess.SubprocessError, OSError):
+            pass
+    import torch
+
+    return torch.cuda.device_count() if "CUDA_VISIBLE_DEVICES" not in os.environ else 0
+
+
+def network_interfaces() -> list[str]:
+    import socket
+
+    return sorted(name for _, name in socket.if_nameindex())
+
+
+def check_interface(name: str) -> None:
+    names = network_interfaces()
+    if name not in names:
+        raise usage_error(
+            f"invalid --ifname: interface {name!r} does not exist; this machine has: "
+            f"{', '.join(names)}"
+        )
+
+
+def resolve_train_config(cfg: TrainConfig, launcher: LauncherEnv | None) -> TrainConfig:
+    """Fill every "auto" value from the machine and check what only the machine can tell:
+    GPUs that exist, data that is there, a model name torchvision knows."""
+    from ddpcli import data, models
+
+    values = cfg.model_dump()
+    if launcher is None:
+        _resolve_devices(values)
+    else:
+        import torch
+
+        values["cpu"] = values["cpu"] or not torch.cuda.is_available()
+    on_gpu = not values["cpu"]
+    values["arch"] = values["arch"] or ("resnet18" if on_gpu else "smallcnn")
+    models.check_arch(values["arch"])
+    if values["image_size"] is None:
+        native = {"synthetic": 32, "stl10": data.STL10_SIDE, "imagefolder": 224 if on_gpu else 64}
+        values["image_size"] = native[cfg.dataset]
+    values["out"] = values["out"] or default_out_dir()
+    if values["nnodes"] > 1 and values["master_port"] is None and not values["init_method"]:
+        values["master_port"] = 29500
+    _check_data(cfg)
+    if cfg.ifname:
+        check_interface(cfg.ifname)
+    return TrainConfig(**values)
+
+
+def _resolve_devices(values: dict[str, Any]) -> None:
+    if values["cpu"]:
+        values["nproc"] = values["nproc"] or 2
+        return
+    count = physical_gpu_count()
+    if values["gpus"] is None:
+        if count == 0:
+            values["cpu"], values["nproc"] = True, values["nproc"] or 2
+        else:
+            values["gpus"] = list(range(count))
+        return
+    missing = [index for index in values["gpus"] if index >= count]
+    if missing:
+        have = f"GPUs 0..{count - 1}" if count else "no GPU"
+        raise usage_error(
+            f"invalid --gpus: GPU {missing[0]} does not exist (this machine has {have}); "
+            "list indices as nvidia-smi shows them, or use --cpu"
+        )
+
+
+def _check_data(cfg: TrainConfig) -> None:
+    from ddpcli import data
+
+    if cfg.dataset == "synthetic":
+        return
+    if not cfg.data_dir.is_dir() and not (cfg.dataset == "stl10" and cfg.download):
+        raise usage_error(f"invalid --data-dir: {cfg.data_dir} does not exist or is not a folder")
+    if cfg.dataset == "stl10" and not cfg.download and not data.stl10_present(cfg.data_dir):
+        raise usage_error(
+            f"STL-10 not found in {data.stl10_dir(cfg.data_dir)}; pass --download to fetch it "
+            "or point --data-dir at the folder that holds stl10_binary/"
+        )
+    if cfg.dataset == "imagefolder":
+        data.check_imagefolder(cfg.data_dir)

@@ -1,0 +1,499 @@
+"""Datasets, sharding and batches.
+
+Small data sets (the synthetic set, STL-10, an image folder after a one-time decode) live
+in memory as uint8 and are augmented in batches on the training device: no DataLoader
+workers, no per-image Python. Large image folders stream through a DataLoader instead.
+Both paths shard training with DistributedSampler (same indices, `set_epoch` each epoch)
+and shard validation so every sample is counted exactly once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DistributedSampler
+
+from ddpcli.dist import DistContext, zero_first
+from ddpcli.errors import usage_error
+
+CROP_PADDING = 4
+STL10_SIDE = 96
+STL10_IMAGE_BYTES = 3 * STL10_SIDE * STL10_SIDE
+IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".ppm", ".webp", ".tif", ".tiff"}
+
+
+@dataclass
+class ImageSet:
+    """A split held in memory: uint8 images (N, 3, H, W) and int64 labels (N,)."""
+
+    images: torch.Tensor
+    labels: torch.Tensor
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+
+@dataclass
+class Splits:
+    train: ImageSet | None
+    val: ImageSet | None
+    num_classes: int
+    class_names: list[str]
+    # For the loader path: folders to stream instead of tensors in memory.
+    train_dir: Path | None = None
+    val_dir: Path | None = None
+
+
+# --- Synthetic --------------------------------------------------------------------------
+
+
+def synthetic_splits(train_size: int, image_size: int, seed: int, num_classes: int = 10) -> Splits:
+    """A learnable classification set, deterministic from the seed: each class is a smooth
+    colour pattern; samples are contrast-jittered, noisy copies of it."""
+    generator = torch.Generator().manual_seed(seed)
+    coarse = torch.rand(num_classes, 3, 4, 4, generator=generator)
+    shared = torch.rand(1, 3, 4, 4, generator=generator)
+    prototypes = F.interpolate(0.7 * shared + 0.3 * coarse, size=image_size, mode="bicubic")
+
+    def make(count: int) -> ImageSet:
+        labels = torch.randint(num_classes, (count,), generator=generator)
+        images = prototypes[labels]
+        contrast = 0.6 + 0.8 * torch.rand(count, 1, 1, 1, generator=generator)
+        noise = 0.35 * torch.randn(images.shape, generator=generator)
+        images = (images - 0.5) * contrast + 0.5 + noise
+        return ImageSet((images.clamp(0, 1) * 255).round().to(torch.uint8), labels)
+
+    train = make(train_size)
+    val = make(max(num_classes, train_size // 4))
+    return Splits(train, val, num_classes, [f"class{i}" for i in range(num_classes)])
+
+
+# --- STL-10 -----------------------------------------------------------------------------
+
+
+def stl10_dir(data_dir: Path) -> Path:
+    return data_dir / "stl10_binary"
+
+
+def stl10_present(data_dir: Path) -> bool:
+    folder = stl10_dir(data_dir)
+    names = ("train_X.bin", "train_y.bin", "test_X.bin", "test_y.bin")
+    return all((folder / name).is_file() for name in names)
+
+
+def download_stl10(data_dir: Path) -> None:
+    """torchvision knows where STL-10 lives; we use it only to fetch and unpack."""
+    from torchvision.datasets import STL10
+    from torchvision.datasets.utils import download_and_extract_archive
+
+    data_dir.mkdir(parents=True, exist_ok=True)
+    download_and_extract_archive(
+        STL10.url, download_root=str(data_dir), filename=STL10.filename, md5=STL10.tgz_md5
+    )
+
+
+def read_stl10_split(folder: Path, split: str) -> ImageSet:
+    """The official binary layout: uint8 images, channel-major, each channel column-major;
+    labels are bytes 1..10."""
+    images_path, labels_path = folder / f"{split}_X.bin", folder / f"{split}_y.bin"
+    raw = np.fromfile(images_path, dtype=np.uint8)
+    if raw.size == 0 or raw.size % STL10_IMAGE_BYTES:
+        raise usage_error(
+            f"{images_path} is truncated or not STL-10 ({raw.size} bytes is not a multiple of "
+            f"{STL10_IMAGE_BYTES}); delete it and pass --download"
+        )
+    labels = np.fromfile(labels_path, dtype=np.uint8).astype(np.int64) - 1
+    count = raw.size // STL10_IMAGE_BYTES
+    if len(labels) != count:
+        raise usage_error(f"{labels_path} has {len(labels)} labels for {count} images")
+    if labels.min() < 0 or labels.max() > 9:
+        raise usage_error(f"{labels_path} holds labels outside 1..10: not STL-10")
+    images = raw.reshape(count, 3, STL10_SIDE, STL10_SIDE).transpose(0, 1, 3, 2)
+    return ImageSet(torch.from_numpy(np.ascontiguousarray(images)), torch.from_numpy(labels))
+
+
+def stl10_splits(data_dir: Path, download: bool, ctx: DistContext) -> Splits:
+    if not stl10_present(data_dir):
+        if not download:
+            raise usage_error(
+                f"STL-10 not found in {stl10_dir(data_dir)}; pass --download to fetch it "
+                "(2.6 GB) or point --data-dir at the folder that holds stl10_binary/"
+            )
+        with zero_first(ctx):
+            if ctx.is_main and not stl10_present(data_dir):
+                download_stl10(data_dir)
+    folder = stl10_dir(data_dir)
+    names_file = folder / "class_names.txt"
+    names = names_file.read_text().split() if names_file.is_file() else []
+    names = names if len(names) == 10 else [f"class{i}" for i in range(10)]
+    return Splits(read_stl10_split(folder, "train"), read_stl10_split(folder, "test"), 10, names)
+
+
+# --- Image folders (ImageNet layout) ----------------------------------------------------
+
+
+def folder_classes(split_dir: Path) -> list[str]:
+    return sorted(entry.name for entry in split_dir.iterdir() if entry.is_dir())
+
+
+def folder_samples(split_dir: Path, classes: list[str]) -> list[tuple[Path, int]]:
+    samples = []
+    for label, name in enumerate(classes):
+        class_dir = split_dir / name
+        if not class_dir.is_dir():
+            continue
+        for path in sorted(class_dir.rglob("*")):
+            if path.suffix.lower() in IMAGE_SUFFIXES:
+                samples.append((path, label))
+    return samples
+
+
+def check_imagefolder(data_dir: Path) -> list[str]:
+    """Fail early, before any process starts, if the layout is not train/<class>/*."""
+    for split in ("train", "val"):
+        if not (data_dir / split).is_dir():
+            raise usage_error(
+                f"{data_dir / split} is missing: --dataset imagefolder expects "
+                "DATA_DIR/train/<class>/*.jpg and DATA_DIR/val/<class>/*.jpg"
+            )
+    classes = folder_classes(data_dir / "train")
+    if len(classes) < 2:
+        raise usage_error(f"{data_dir / 'train'} needs at least two class folders")
+    return classes
+
+
+def decode_folder(split_dir: Path, classes: list[str], image_size: int) -> ImageSet:
+    """Decode once to uint8 at the training size: shorter side resized, centre crop."""
+    from torchvision.io import ImageReadMode, decode_image
+    from torchvision.transforms.v2 import functional as TF
+
+    samples = folder_samples(split_dir, classes)
+    if not samples:
+        raise usage_error(f"{split_dir} holds no images ({', '.join(sorted(IMAGE_SUFFIXES))})")
+    images = torch.empty(len(samples), 3, image_size, image_size, dtype=torch.uint8)
+    for index, (path, _) in enumerate(samples):
+        image = decode_image(str(path), mode=ImageReadMode.RGB)
+        image = TF.resize(image, image_size, antialias=True)
+        images[index] = TF.center_crop(image, [image_size, image_size])
+    labels = torch.tensor([label for _, label in samples], dtype=torch.int64)
+    return ImageSet(images, labels)
+
+
+def folder_cache_path(data_dir: Path, image_size: int, cache_dir: Path) -> Path:
+    """Keyed by the folder, the size and the newest modification, so edits invalidate it."""
+    newest = max((p.stat().st_mtime_ns for p in data_dir.rglob("*")), default=0)
+    key = hashlib.sha256(f"{data_dir.resolve()}|{image_size}|{newest}".encode()).hexdigest()
+    return cache_dir / f"imagefolder-{image_size}px-{key[:16]}.pt"
+
+
+def imagefolder_splits(
+    data_dir: Path, image_size: int, in_memory: bool, cache_dir: Path, ctx: DistContext
+) -> Splits:
+    classes = check_imagefolder(data_dir)
+    if not in_memory:
+        return Splits(None, None, len(classes), classes, data_dir / "train", data_dir / "val")
+    cache = folder_cache_path(data_dir, image_size, cache_dir)
+    with zero_first(ctx):
+        if ctx.is_main and not cache.exists():
+            from ddpcli.checkpoint import atomic_save
+
+            splits = {
+                split: decode_folder(data_dir / split, classes, image_size)
+                for split in ("train", "val")
+            }
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            atomic_save(
+                {k: {"images": v.images, "labels": v.labels} for k, v in splits.items()}, cache
+            )
+    stored = torch.load(cache, weights_only=True)
+    train, val = (ImageSet(stored[s]["images"], stored[s]["labels"]) for s in ("train", "val"))
+    return Splits(train, val, len(classes), classes)
+
+
+# --- Sharding ---------------------------------------------------------------------------
+
+
+def train_shard(size: int, ctx: DistContext, seed: int, epoch: int) -> list[int]:
+    """This rank's training indices for the epoch: exactly what DistributedSampler yields.
+    It pads so every rank gets the same count (and the same number of steps)."""
+    sampler = DistributedSampler(
+        range(size), num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True, seed=seed
+    )
+    sampler.set_epoch(epoch)  # without it every epoch repeats the same order
+    return list(sampler)
+
+
+def val_shard(size: int, ctx: DistContext) -> list[int]:
+    """Strided, unpadded: each validation sample on exactly one rank."""
+    return list(range(ctx.rank, size, ctx.world_size))
+
+
+def channel_stats(images: torch.Tensor) -> tuple[list[float], list[float]]:
+    sample = images[:: max(1, len(images) // 1000)].float() / 255
+    mean = sample.mean(dim=(0, 2, 3))
+    std = sample.std(dim=(0, 2, 3)).clamp_min(1e-3)
+    return mean.tolist(), std.tolist()
+
+
+# --- Augmentation that depends only on (seed, epoch, sample) ------------------------------
+
+_MASK64 = (1 << 64) - 1
+
+
+def _signed(value: int) -> int:
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+_GOLDEN, _MIX1, _MIX2 = (
+    _signed(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
+)
+
+
+def _shift_right(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical shift on int64 (torch's >> is arithmetic)."""
+    return (values >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def sample_hash(seed: int, epoch: int, indices: torch.Tensor) -> torch.Tensor:
+    """splitmix64 of (seed, epoch, index), computed the same on any device. A sample's crop
+    and flip then never depend on which rank sees it, in which batch, or after a resume."""
+    base = (seed * 1_000_003 + epoch * 7_919) & _MASK64
+    z = indices.to(torch.int64) + _signed(base) + _GOLDEN
+    z = (z ^ _shift_right(z, 30)) * _MIX1
+    z = (z ^ _shift_right(z, 27)) * _MIX2
+    return z ^ _shift_right(z, 31)
+
+
+def augmentation_draws(seed: int, epoch: int, indices: torch.Tensor):
+    """Per sample: crop offsets (rows, cols) in 0..2*padding, and whether to flip."""
+    h = sample_hash(seed, epoch, indices)
+    span = 2 * CROP_PADDING + 1
+    top = _shift_right(h, 40) % span
+    left = _shift_right(h, 20) % span
+    flip = (h & 1) == 1
+    return top, left, flip
+
+
+# --- Batches in memory, augmented in batches on the device -------------------------------
+
+
+class TensorBatches:
+    """Batches of an in-memory ImageSet, on `device`: gather, random crop with padding,
+    horizontal flip and normalisation done for the whole batch at once."""
+
+    def __init__(
+        self,
+        images: ImageSet,
+        indices: list[int],
+        batch_size: int,
+        device: torch.device,
+        mean: list[float],
+        std: list[float],
+        augment: bool,
+        seed: int,
+        epoch: int,
+        channels_last: bool = False,
+    ):
+        self.images = images.images.to(device)
+        self.labels = images.labels.to(device)
+        self.indices = torch.tensor(indices, dtype=torch.long)
+        self.batch_size = batch_size
+        self.device = device
+        self.mean = torch.tensor(mean, device=device).view(1, 3, 1, 1)
+        self.std = torch.tensor(std, device=device).view(1, 3, 1, 1)
+        self.augment = augment
+        self.seed, self.epoch = seed, epoch
+        self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
+
+    def __len__(self) -> int:
+        return math.ceil(len(self.indices) / self.batch_size)
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for start in range(0, len(self.indices), self.batch_size):
+            batch = self.indices[start : start + self.batch_size].to(self.device)
+            images = self.images[batch]
+            if self.augment:
+                images = self._crop_and_flip(images, batch)
+            images = (images.float().div_(255) - self.mean) / self.std
+            yield images.contiguous(memory_format=self.memory_format), self.labels[batch]
+
+    def _crop_and_flip(self, images: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        count, _, height, width = images.shape
+        pad = CROP_PADDING
+        top, left, flips = augmentation_draws(self.seed, self.epoch, indices)
+        padded = F.pad(images, (pad, pad, pad, pad))
+        rows = top.view(count, 1) + torch.arange(height, device=self.device)
+        cols = left.view(count, 1) + torch.arange(width, device=self.device)
+        cols = torch.where(flips.view(count, 1), cols.flip(1), cols)
+        batch_index = torch.arange(count, device=self.device).view(count, 1, 1, 1)
+        channel_index = torch.arange(3, device=self.device).view(1, 3, 1, 1)
+        return padded[batch_index, channel_index, rows.view(count, 1, height, 1),
+                      cols.view(count, 1, 1, width)]  # fmt: skip
+
+
+# --- Batches streamed from disk through a DataLoader -------------------------------------
+
+
+class FolderDataset(torch.utils.data.Dataset):
+    """ImageNet-layout images decoded with torchvision.io (faster than PIL for JPEG)."""
+
+    def __init__(self, split_dir: Path, classes: list[str], image_size: int, augment: bool):
+        self.samples = folder_samples(split_dir, classes)
+        self.image_size = image_size
+        self.augment = augment
+        self.seed, self.epoch = 0, 0  # set per epoch; copied into the workers with the sampler
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        from torchvision.io import ImageReadMode, decode_image
+        from torchvision.transforms.v2 import functional as TF
+
+        path, label = self.samples[index]
+        image = decode_image(str(path), mode=ImageReadMode.RGB)
+        image = TF.resize(image, self.image_size, antialias=True)
+        image = TF.center_crop(image, [self.image_size, self.image_size])
+        if self.augment:
+            image = crop_and_flip_one(image, index, self.seed, self.epoch)
+        return image, label
+
+
+def crop_and_flip_one(image: torch.Tensor, index: int, seed: int, epoch: int) -> torch.Tensor:
+    """The per-image twin of TensorBatches._crop_and_flip: same draws, same pixels."""
+    top, left, flip = (int(v) for v in augmentation_draws(seed, epoch, torch.tensor([index])))
+    pad, height, width = CROP_PADDING, image.shape[1], image.shape[2]
+    image = F.pad(image, (pad, pad, pad, pad))[:, top : top + height, left : left + width]
+    return image.flip(2) if flip else image
+
+
+class IndexSampler(torch.utils.data.Sampler):
+    def __init__(self, indices: list[int]):
+        self.indices = indices
+
+    def __iter__(self):
+        return iter(self.indices)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+
+class LoaderBatches:
+    """DataLoader with workers, pinned memory and non-blocking copies; normalises on device."""
+
+    def __init__(self, dataset, indices, batch_size, device, mean, std, workers, channels_last):
+        self.loader = torch.utils.data.DataLoader(
+            dataset,
+            batch_size=batch_size,
+            sampler=IndexSampler(indices),
+            num_workers=workers,
+            pin_memory=device.type == "cuda",
+            persistent_workers=False,
+            prefetch_factor=4 if workers else None,
+        )
+        self.device = device
+        self.mean = torch.tensor(mean, device=device).view(1, 3, 1, 1)
+        self.std = torch.tensor(std, device=device).view(1, 3, 1, 1)
+        self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self):
+        for images, labels in self.loader:
+            images = images.to(self.device, non_blocking=True)
+            images = (images.float().div_(255) - self.mean) / self.std
+            yield (
+                images.contiguous(memory_format=self.memory_format),
+                labels.to(self.device, non_blocking=True),
+            )
+
+
+def default_workers(local_world_size: int) -> int:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(0, min(8, (cores or 1) // max(1, local_world_size) - 1))
+
+
+# --- What the training loop sees ---------------------------------------------------------
+
+
+class DataPipeline:
+    """Train and validation batches for this rank, whichever path they come from."""
+
+    def __init__(self, splits: Splits, cfg, ctx: DistContext, use_device_path: bool):
+        self.splits = splits
+        self.cfg = cfg
+        self.ctx = ctx
+        self.channels_last = ctx.device.type == "cuda"
+        self.in_memory = splits.train is not None
+        if self.in_memory:
+            self.mean, self.std = channel_stats(splits.train.images)
+            storage = ctx.device if use_device_path else torch.device("cpu")
+            # Keep the uint8 set where it will be augmented; batches then never cross PCIe.
+            self.train_set = ImageSet(splits.train.images.to(storage), splits.train.labels)
+            self.val_set = ImageSet(splits.val.images.to(storage), splits.val.labels)
+            self.train_size, self.val_size = len(splits.train), len(splits.val)
+        else:
+            self.mean, self.std = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
+            size = cfg.image_size
+            self.train_set = FolderDataset(splits.train_dir, splits.class_names, size, True)
+            self.val_set = FolderDataset(splits.val_dir, splits.class_names, size, False)
+            self.train_size, self.val_size = len(self.train_set), len(self.val_set)
+        self.workers = (
+            cfg.workers if cfg.workers is not None else default_workers(ctx.local_world_size)
+        )
+
+    def steps_per_epoch(self) -> int:
+        per_rank = math.ceil(self.train_size / self.ctx.world_size)
+        return math.ceil(per_rank / self.cfg.per_gpu_batch)
+
+    def train_batches(self, epoch: int, skip_batches: int = 0):
+        """The epoch's order depends only on seed and epoch; a resume skips by position."""
+        indices = train_shard(self.train_size, self.ctx, self.cfg.seed, epoch)
+        indices = indices[skip_batches * self.cfg.per_gpu_batch :]
+        return self._batches(self.train_set, indices, augment=True, epoch=epoch)
+
+    def val_batches(self):
+        indices = val_shard(self.val_size, self.ctx)
+        return self._batches(self.val_set, indices, augment=False, epoch=0)
+
+    def _batches(self, dataset, indices, augment: bool, epoch: int):
+        batch, seed = self.cfg.per_gpu_batch, self.cfg.seed
+        if self.in_memory:
+            return TensorBatches(
+                dataset, indices, batch, self.ctx.device, self.mean, self.std, augment, seed,
+                epoch, self.channels_last,
+            )  # fmt: skip
+        dataset.seed, dataset.epoch = seed, epoch
+        return LoaderBatches(
+            dataset, indices, batch, self.ctx.device, self.mean, self.std, self.workers,
+            self.channels_last,
+        )  # fmt: skip
+
+
+def load_splits(cfg, ctx: DistContext, in_memory: bool) -> Splits:
+    if cfg.dataset == "synthetic":
+        return synthetic_splits(cfg.synthetic_size, cfg.image_size, cfg.seed)
+    if cfg.dataset == "stl10":
+        splits = stl10_splits(cfg.data_dir, cfg.download, ctx)
+        if cfg.image_size != STL10_SIDE:
+            splits.train = resize_set(splits.train, cfg.image_size)
+            splits.val = resize_set(splits.val, cfg.image_size)
+        return splits
+    cache_dir = cfg.out / "cache"
+    return imagefolder_splits(cfg.data_dir, cfg.image_size, in_memory, cache_dir, ctx)
+
+
+def resize_set(image_set: ImageSet, image_size: int) -> ImageSet:
+    resized = F.interpolate(
+        image_set.images.float(), size=image_size, mode="bilinear", antialias=True
+    )
+    return ImageSet(resized.round().clamp(0, 255).to(torch.uint8), image_set.labels)

@@ -1,0 +1,149 @@
+"""Process group set-up, device choice and the collectives the engine uses.
+
+The whole DDP contract in one place, nanoGPT style: read our rank from the launcher,
+bind the device *before* any CUDA work, init the group with a timeout, tear it down.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ddpcli.config import LauncherEnv
+from ddpcli.errors import runtime_error, usage_error
+
+
+@dataclass(frozen=True)
+class DistContext:
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    node_rank: int
+    device: torch.device
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return dist.is_available() and dist.is_initialized()
+
+
+def choose_device(local_rank: int, want_gpu: bool) -> torch.device:
+    """One process per GPU: local rank r drives cuda:r of the GPUs this process can see."""
+    if not want_gpu or not torch.cuda.is_available():
+        return torch.device("cpu")
+    visible = torch.cuda.device_count()
+    if local_rank >= visible:
+        raise usage_error(
+            f"local rank {local_rank} has no GPU: this process sees {visible} "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})"
+        )
+    device = torch.device("cuda", local_rank)
+    # Must happen before any CUDA work, or every rank allocates a context on GPU 0.
+    torch.cuda.set_device(device)
+    return device
+
+
+def choose_backend(requested: str, device: torch.device) -> str:
+    if requested == "auto":
+        return "nccl" if device.type == "cuda" else "gloo"
+    if requested == "nccl" and device.type != "cuda":
+        raise usage_error("--backend nccl needs GPUs; use --backend gloo (or auto) on the CPU")
+    return requested
+
+
+def init_distributed(
+    env: LauncherEnv,
+    *,
+    want_gpu: bool,
+    backend: str,
+    init_method: str | None,
+    timeout_s: float,
+) -> DistContext:
+    device = choose_device(env.local_rank, want_gpu)
+    backend = choose_backend(backend, device)
+    if env.world_size > 1 or init_method:
+        if backend == "nccl":
+            # Fail a stuck collective instead of hanging forever (see docs/multi-node.md).
+            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+        try:
+            dist.init_process_group(
+                backend=backend,
+                init_method=init_method or "env://",
+                rank=env.rank,
+                world_size=env.world_size,
+                timeout=datetime.timedelta(seconds=timeout_s),
+                # Binding the device lets barriers and NCCL know it instead of guessing.
+                device_id=device if device.type == "cuda" else None,
+            )
+        except (RuntimeError, ValueError) as error:
+            raise runtime_error(
+                f"rank {env.rank}: could not join the process group ({backend}, "
+                f"{init_method or 'env://'}) within {timeout_s:g}s: {first_line(error)}"
+            ) from error
+    return DistContext(
+        rank=env.rank,
+        local_rank=env.local_rank,
+        world_size=env.world_size,
+        local_world_size=env.local_world_size,
+        node_rank=env.node_rank,
+        device=device,
+        backend=backend,
+    )
+
+
+def shutdown() -> None:
+    """Every worker ends here: without it a Gloo worker can abort at interpreter exit."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def barrier(ctx: DistContext) -> None:
+    if ctx.distributed:
+        dist.barrier()
+
+
+@contextlib.contextmanager
+def zero_first(ctx: DistContext) -> Iterator[None]:
+    """Rank 0 runs the block first (download, cache) while the others wait, then they run it."""
+    if not ctx.is_main:
+        barrier(ctx)
+    yield
+    if ctx.is_main:
+        barrier(ctx)
+
+
+def all_reduce_sum(tensor: torch.Tensor, ctx: DistContext) -> torch.Tensor:
+    """Sum over ranks, in place; every rank gets the exact global total."""
+    if ctx.distributed:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
+def all_reduce_max(tensor: torch.Tensor, ctx: DistContext) -> torch.Tensor:
+    if ctx.distributed:
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor
+
+
+def broadcast_object(value, ctx: DistContext, src: int = 0):
+    if not ctx.distributed:
+        return value
+    holder = [value]
+    dist.broadcast_object_list(holder, src=src)
+    return holder[0]
+
+
+def first_line(error: BaseException) -> str:
+    text = str(error).strip() or type(error).__name__
+    return text.splitlines()[0][:300]

@@ -1,0 +1,21 @@
+"""The one exception type users see: a message and the exit code it ends with."""
+
+USAGE = 2  # bad flag value, unreadable recipe, missing data, unknown GPU or interface
+RUNTIME = 1  # a rank died, a timeout, a collective failed
+
+
+class DdpcliError(Exception):
+    """An error meant for the user: the CLI prints `message` (no traceback) and exits."""
+
+    def __init__(self, message: str, exit_code: int = USAGE):
+        super().__init__(message)
+        self.message = message
+        self.exit_code = exit_code
+
+
+def usage_error(message: str) -> DdpcliError:
+    return DdpcliError(message, USAGE)
+
+
+def runtime_error(message: str) -> DdpcliError:
+    return DdpcliError(message, RUNTIME)

@@ -1,0 +1,151 @@
+"""Starting workers: adopt a launcher's environment, or start our own through
+torch.distributed.elastic (the engine behind torchrun), which brings rendezvous,
+restarts and per-rank error reports.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import uuid
+from pathlib import Path
+
+from ddpcli import ui
+from ddpcli.config import TrainConfig, cpu_count, read_launcher_env
+from ddpcli.errors import USAGE, DdpcliError, runtime_error, usage_error
+
+WORKER_MODULE = "ddpcli.worker"
+SHUTDOWN_GRACE_S = 5  # SIGTERM, then SIGKILL, for the survivors of a failed job
+
+
+def launch_train(cfg: TrainConfig, debug: bool = False) -> dict:
+    """Run the training job and return rank 0's summary."""
+    launcher = read_launcher_env()
+    if launcher is not None:
+        from ddpcli.worker import run_worker
+
+        if cfg.gpus and launcher.rank == 0:
+            ui.warn("--gpus is ignored under a launcher: each rank uses the GPU of its LOCAL_RANK")
+        return run_worker(cfg, launcher)
+    return _launch_elastic(cfg, debug)
+
+
+def worker_environment(cfg: TrainConfig) -> dict[str, str]:
+    """Variables the workers must inherit; set before any of them initialises CUDA."""
+    env: dict[str, str] = {}
+    if cfg.uses_gpus:
+        # Physical indices -> the workers see only these, renumbered cuda:0.., cuda:N-1.
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(index) for index in cfg.gpus)
+    else:
+        env["OMP_NUM_THREADS"] = str(max(1, cpu_count() // cfg.nproc_per_node))
+    if cfg.ifname:
+        env["GLOO_SOCKET_IFNAME"] = cfg.ifname
+        env["NCCL_SOCKET_IFNAME"] = cfg.ifname
+    return env
+
+
+def launch_config(cfg: TrainConfig, log_dir: str | None):
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+    from torch.distributed.launcher.api import LaunchConfig
+
+    if cfg.nnodes == 1 and cfg.master_port is None:
+        # Port 0: the rendezvous store binds a free port, so runs on one machine never collide.
+        backend, endpoint, rdzv_configs = "c10d", "127.0.0.1:0", {"timeout": int(cfg.timeout)}
+    else:
+        backend, endpoint = "static", f"{cfg.master_addr}:{cfg.master_port or 29500}"
+        rdzv_configs = {"rank": cfg.node_rank, "timeout": int(cfg.timeout)}
+    if log_dir:
+        logs = DefaultLogsSpecs(log_dir=log_dir, redirects=Std.ALL, tee=Std.ALL)
+    else:
+        logs = DefaultLogsSpecs()
+    return LaunchConfig(
+        min_nodes=cfg.nnodes,
+        max_nodes=cfg.nnodes,
+        nproc_per_node=cfg.nproc_per_node,
+        run_id=f"ddpcli-{uuid.uuid4().hex[:8]}" if cfg.nnodes == 1 else "ddpcli",
+        rdzv_backend=backend,
+        rdzv_endpoint=endpoint,
+        rdzv_configs=rdzv_configs,
+        max_restarts=cfg.max_restarts,
+        monitor_interval=0.1,
+        start_method="spawn",
+        logs_specs=logs,
+        shutdown_timeout=SHUTDOWN_GRACE_S,
+    )
+
+
+def _launch_elastic(cfg: TrainConfig, debug: bool) -> dict:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
+
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    request = out / ".launch-config.json"
+    request.write_text(cfg.model_dump_json())
+    (out / "summary.json").unlink(missing_ok=True)
+    if not debug:
+        logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    os.environ.update(worker_environment(cfg))
+    try:
+        elastic_launch(
+            launch_config(cfg, str(cfg.log_dir) if cfg.log_dir else None), sys.executable
+        )("-m", WORKER_MODULE, str(request))
+    except ChildFailedError as failure:
+        raise describe_failure(failure) from None
+    except Exception as error:  # rendezvous errors: the world never formed
+        name = type(error).__name__
+        if "Rendezvous" in name or "Timeout" in name:
+            raise runtime_error(
+                f"the job never formed: {name} after {cfg.timeout:g}s waiting for "
+                f"{cfg.nnodes} node(s) at {cfg.master_addr}:{cfg.master_port}; start the same "
+                "command on every node (only --node-rank differs) or raise --timeout"
+            ) from error
+        raise
+    finally:
+        request.unlink(missing_ok=True)
+    summary_file = out / "summary.json"
+    return json.loads(summary_file.read_text()) if summary_file.exists() else {"out": str(out)}
+
+
+def describe_failure(failure) -> DdpcliError:
+    """Name the first rank that failed, how it ended, and the last lines it printed."""
+    rank, first = failure.get_first_failure()
+    how = exit_in_words(first.exitcode)
+    lines = [f"rank {rank} on {socket.gethostname()} failed first: {how}"]
+    detail = error_tail(first)
+    if detail:
+        lines.append(detail)
+    others = sorted(r for r in failure.failures if r != rank)
+    if others:
+        lines[0] += f" (then ranks {', '.join(map(str, others))} stopped)"
+    code = USAGE if first.exitcode == USAGE else 1
+    return usage_error("\n".join(lines)) if code == USAGE else runtime_error("\n".join(lines))
+
+
+def exit_in_words(exitcode: int) -> str:
+    if exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        hint = " (most likely out of memory, or the scheduler)" if name == "SIGKILL" else ""
+        return f"killed by {name}{hint}"
+    return f"exit code {exitcode}"
+
+
+def error_tail(failure, lines: int = 3) -> str:
+    """The end of the worker's recorded traceback, if it left one."""
+    message = failure.message if isinstance(failure.message, str) else ""
+    if isinstance(failure.error_file_data, dict):
+        message = failure.error_file_data.get("message", {})
+        if isinstance(message, dict):
+            extra = message.get("extraInfo", {}).get("py_callstack", "")
+            message = extra or message.get("message", "")
+    tail = [line for line in str(message).strip().splitlines() if line.strip()][-lines:]
+    if not tail or "To enable traceback" in tail[-1] or tail[-1].startswith("Signal "):
+        return ""
+    return "\n".join(f"  {line}" for line in tail)

@@ -1,0 +1,336 @@
+"""The training loop: epochs, steps, accumulation, validation and metric reduction.
+
+It reads like the algorithm: get batch, forward, backward, step, log. Devices, data,
+checkpoints and output each live in their own module; this one only orchestrates.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from ddpcli import ui
+from ddpcli.checkpoint import (
+    CheckpointWriter,
+    capture_rng_state,
+    find_resume_path,
+    gather_rng_states,
+    restore_rng_state,
+    safe_load,
+)
+from ddpcli.config import TrainConfig
+from ddpcli.data import DataPipeline
+from ddpcli.dist import DistContext, all_reduce_max, all_reduce_sum, barrier
+from ddpcli.models import build_model
+
+TIMING_WARMUP_STEPS = 3  # the first steps pay for allocation and autotuning; not timed
+
+
+@dataclass
+class TrainState:
+    """What a checkpoint restores besides the weights: where we are and what we saw."""
+
+    epoch: int = 0  # the epoch being (or about to be) trained, 0-based
+    batch_in_epoch: int = 0  # micro-batches of `epoch` already trained
+    step: int = 0  # optimizer steps taken
+    best_val_acc: float = -1.0
+    history: list[dict] = field(default_factory=list)
+    partial_sums: list[float] | None = None  # global [loss_sum, correct, count] mid-epoch
+
+
+# --- Building the parts --------------------------------------------------------------------
+
+
+def build_ddp_model(cfg: TrainConfig, ctx: DistContext, num_classes: int) -> nn.Module:
+    torch.manual_seed(cfg.seed)  # identical initial weights everywhere (DDP also broadcasts)
+    model = build_model(cfg.arch, num_classes).to(ctx.device)
+    if ctx.device.type == "cuda":
+        model = model.to(memory_format=torch.channels_last)
+    if ctx.distributed:
+        model = DistributedDataParallel(
+            model,
+            device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
+            gradient_as_bucket_view=True,
+        )
+    return model
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+def build_optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
+    # No weight decay on norms and biases: the usual recipe for BN nets.
+    decay, no_decay = [], []
+    for parameter in model.parameters():
+        (no_decay if parameter.ndim <= 1 else decay).append(parameter)
+    groups = [
+        {"params": decay, "weight_decay": cfg.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=True, foreach=True)
+
+
+def warmup_cosine(total_steps: int, warmup_steps: int):
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    return factor
+
+
+def autocast_context(cfg: TrainConfig, ctx: DistContext):
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision)
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=ctx.device.type, dtype=dtype)
+
+
+# --- The loop ------------------------------------------------------------------------------
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, ctx: DistContext, data: DataPipeline):
+        self.cfg, self.ctx, self.data = cfg, ctx, data
+        self.model = build_ddp_model(cfg, ctx, data.splits.num_classes)
+        self.forward_model = torch.compile(self.model) if cfg.compile else self.model
+        self.optimizer = build_optimizer(cfg, self.model)
+        micro_steps = data.steps_per_epoch()
+        self.steps_per_epoch = math.ceil(micro_steps / cfg.accumulate)
+        total = cfg.epochs * self.steps_per_epoch
+        self.total_steps = min(total, cfg.max_steps) if cfg.max_steps else total
+        warmup = round(cfg.warmup_epochs * self.steps_per_epoch)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, warmup_cosine(self.total_steps, min(warmup, self.total_steps // 2))
+        )
+        self.scaler = torch.amp.GradScaler(ctx.device.type, enabled=cfg.precision == "fp16")
+        self.loss_fn = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
+        self.state = TrainState()
+        self.writer = CheckpointWriter(cfg, ctx)
+        self.out = Path(cfg.out)
+
+    # --- checkpoints
+    def checkpoint_payload(self) -> dict:
+        return {
+            "format": "ddpcli-checkpoint-v1",
+            "model": unwrap(self.model).state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None,
+            "epoch": self.state.epoch,
+            "batch_in_epoch": self.state.batch_in_epoch,
+            "step": self.state.step,
+            "best_val_acc": self.state.best_val_acc,
+            "metrics": self.state.history,
+            "partial_sums": self.state.partial_sums,
+            "world_size": self.ctx.world_size,
+            "config": json.loads(self.cfg.model_dump_json()),
+            "rng": gather_rng_states(self.ctx, capture_rng_state()),
+        }
+
+    def resume(self, path: Path) -> None:
+        payload = safe_load(path, map_location=self.ctx.device)
+        unwrap(self.model).load_state_dict(payload["model"])
+        self.optimizer.load_state_dict(payload["optimizer"])
+        self.scheduler.load_state_dict(payload["scheduler"])
+        if payload.get("scaler"):
+            self.scaler.load_state_dict(payload["scaler"])
+        self.state = TrainState(
+            epoch=payload["epoch"],
+            batch_in_epoch=payload["batch_in_epoch"],
+            step=payload["step"],
+            best_val_acc=payload["best_val_acc"],
+            history=list(payload["metrics"]),
+            partial_sums=payload.get("partial_sums"),
+        )
+        rng_states = payload["rng"]
+        if payload["world_size"] == self.ctx.world_size:
+            restore_rng_state(rng_states[self.ctx.rank])
+        elif self.ctx.is_main:
+            ui.warn(
+                f"checkpoint was written by {payload['world_size']} ranks, this run has "
+                f"{self.ctx.world_size}: the data order from here on differs from the original run"
+            )
+        if self.ctx.is_main:
+            where = f"epoch {self.state.epoch + 1}" + (
+                f", batch {self.state.batch_in_epoch}" if self.state.batch_in_epoch else ""
+            )
+            ui.info(f"resumed from {path} at {where} (step {self.state.step})")
+
+    # --- training
+    def fit(self) -> dict:
+        resume_path = find_resume_path(self.cfg)
+        if resume_path:
+            self.resume(resume_path)
+        self.announce()
+        progress = ui.TrainProgress(self.ctx.is_main, self.cfg.epochs, self.data.steps_per_epoch())
+        with progress:
+            while self.state.epoch < self.cfg.epochs and not self.reached_max_steps():
+                metrics = self.run_epoch(progress)
+                self.finish_epoch(metrics)
+        return self.state.history[-1] if self.state.history else {}
+
+    def reached_max_steps(self) -> bool:
+        return self.cfg.max_steps is not None and self.state.step >= self.cfg.max_steps
+
+    def announce(self) -> None:
+        if not self.ctx.is_main:
+            return
+        cfg = self.cfg
+        ui.info(
+            f"world size {self.ctx.world_size} ({self.ctx.backend}, {self.ctx.device.type}) · "
+            f"per-process batch {cfg.per_gpu_batch} × world {self.ctx.world_size} × "
+            f"accumulate {cfg.accumulate} = global batch {cfg.global_batch}"
+        )
+        ui.info(
+            f"{cfg.arch} on {cfg.dataset} at {cfg.image_size} px · {self.data.train_size} train / "
+            f"{self.data.val_size} val images · {self.steps_per_epoch} steps per epoch · "
+            f"precision {cfg.precision} · out {cfg.out}"
+        )
+
+    def run_epoch(self, progress: ui.TrainProgress) -> dict:
+        cfg, ctx, state = self.cfg, self.ctx, self.state
+        self.model.train()
+        sums = torch.zeros(3, device=ctx.device, dtype=torch.float64)  # loss, correct, count
+        if state.partial_sums and ctx.is_main:
+            sums += torch.tensor(state.partial_sums, device=ctx.device, dtype=torch.float64)
+        state.partial_sums = None
+        batches = self.data.train_batches(state.epoch, skip_batches=state.batch_in_epoch)
+        micro_total = self.data.steps_per_epoch()
+        timer = StepTimer(ctx.device, micro_total - state.batch_in_epoch)
+        progress.start_epoch(state.epoch, state.batch_in_epoch)
+        for images, labels in batches:
+            state.batch_in_epoch += 1
+            last_micro = state.batch_in_epoch == micro_total
+            steps_now = state.batch_in_epoch % cfg.accumulate == 0 or last_micro
+            self.train_micro_step(images, labels, sums, steps_now)
+            timer.tick(len(labels))
+            if steps_now:
+                state.step += 1
+                self.after_optimizer_step(sums, progress, timer, last_micro)
+                if self.reached_max_steps():
+                    break
+        train_loss, train_acc = self.reduce_means(sums)
+        images_per_sec = timer.images_per_sec(ctx)
+        val_loss, val_acc = self.validate()
+        return {
+            "epoch": state.epoch + 1,
+            "step": state.step,
+            "train_loss": train_loss,
+            "train_acc": train_acc,
+            "val_loss": val_loss,
+            "val_acc": val_acc,
+            "images_per_sec": images_per_sec,
+            "lr": self.scheduler.get_last_lr()[0],
+            "global_batch": cfg.global_batch,
+            "world_size": ctx.world_size,
+        }
+
+    def train_micro_step(self, images, labels, sums, steps_now: bool) -> None:
+        # Gradients are all-reduced only on the micro-step that steps the optimizer.
+        skip_sync = not steps_now and isinstance(self.model, DistributedDataParallel)
+        with self.model.no_sync() if skip_sync else contextlib.nullcontext():
+            with autocast_context(self.cfg, self.ctx):
+                logits = self.forward_model(images)
+                loss = self.loss_fn(logits, labels)
+            self.scaler.scale(loss / self.cfg.accumulate).backward()
+        with torch.no_grad():
+            sums[0] += loss.detach().double() * len(labels)
+            sums[1] += (logits.argmax(1) == labels).sum()
+            sums[2] += len(labels)
+        if steps_now:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.scheduler.step()
+
+    def after_optimizer_step(self, sums, progress, timer, last_micro: bool) -> None:
+        state, cfg = self.state, self.cfg
+        if state.step % cfg.log_every == 0 or last_micro:
+            loss, acc = self.reduce_means(sums)
+            progress.update(state.batch_in_epoch, loss, acc, timer.running_rate(self.ctx))
+        if cfg.save_every_steps and state.step % cfg.save_every_steps == 0 and not last_micro:
+            state.partial_sums = all_reduce_sum(sums.clone(), self.ctx).tolist()
+            self.writer.save(self.checkpoint_payload(), f"step-{state.step:08d}.pt", is_best=False)
+            state.partial_sums = None
+
+    def reduce_means(self, sums: torch.Tensor) -> tuple[float, float]:
+        total = all_reduce_sum(sums.clone(), self.ctx).tolist()
+        count = max(total[2], 1.0)
+        return total[0] / count, total[1] / count
+
+    @torch.no_grad()
+    def validate(self) -> tuple[float, float]:
+        """Every validation sample counted once: strided shards, no padding, one all_reduce.
+        The unwrapped module runs, so ranks with one batch fewer never wait on a collective."""
+        model = unwrap(self.model)
+        model.eval()
+        sums = torch.zeros(3, device=self.ctx.device, dtype=torch.float64)
+        for images, labels in self.data.val_batches():
+            with autocast_context(self.cfg, self.ctx):
+                logits = model(images)
+                loss = nn.functional.cross_entropy(logits, labels, reduction="sum")
+            sums[0] += loss.double()
+            sums[1] += (logits.argmax(1) == labels).sum()
+            sums[2] += len(labels)
+        model.train()
+        return self.reduce_means(sums)
+
+    def finish_epoch(self, metrics: dict) -> None:
+        state = self.state
+        state.history.append(metrics)
+        is_best = metrics["val_acc"] > state.best_val_acc
+        state.best_val_acc = max(state.best_val_acc, metrics["val_acc"])
+        state.epoch += 1
+        state.batch_in_epoch = 0
+        if self.ctx.is_main:
+            with open(self.out / "metrics.jsonl", "a") as handle:
+                handle.write(json.dumps(metrics) + "\n")
+            ui.epoch_line(metrics, self.cfg.epochs)
+        self.writer.save(self.checkpoint_payload(), f"epoch-{state.epoch:04d}.pt", is_best=is_best)
+        barrier(self.ctx)
+
+
+class StepTimer:
+    """Images per second over the epoch's steps after the first few, summed over ranks.
+    Synchronises the device only at the window's edges, never per step."""
+
+    def __init__(self, device: torch.device, planned_steps: int):
+        self.device = device
+        self.warmup = min(TIMING_WARMUP_STEPS, planned_steps // 2)
+        self.seen = 0
+        self.images = 0
+        self.start: float | None = self._now() if self.warmup == 0 else None
+
+    def _now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def tick(self, batch_images: int) -> None:
+        self.seen += 1
+        if self.seen == self.warmup:
+            self.start = self._now()
+        elif self.seen > self.warmup:
+            self.images += batch_images
+
+    def running_rate(self, ctx: DistContext) -> float:
+        if self.start is None or not self.images:
+            return 0.0
+        return self.images * ctx.world_size / max(time.perf_counter() - self.start, 1e-9)
+
+    def images_per_sec(self, ctx: DistContext) -> float:
+        elapsed = self._now() - self.start if self.start is not None else 0.0
+        images = all_reduce_sum(torch.tensor([float(self.images)], device=ctx.device), ctx)
+        slowest = all_reduce_max(torch.tensor([elapsed], device=ctx.device), ctx)
+        return float(images.item() / max(slowest.item(), 1e-9))

@@ -1,0 +1,96 @@
+"""What people see: rich output on stderr, JSON on stdout. No torch here."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+console = Console(stderr=True, highlight=False)
+
+
+def info(message: str) -> None:
+    console.print(message, markup=False)
+
+
+def warn(message: str) -> None:
+    console.print(f"[yellow]warning:[/yellow] {message}", soft_wrap=True)
+
+
+def error(message: str) -> None:
+    for line in message.splitlines():
+        console.print(f"[bold red]error:[/bold red] {line}", soft_wrap=True)
+
+
+def print_json(document: Any) -> None:
+    """The only thing a `--json` command writes to stdout."""
+    sys.stdout.write(json.dumps(document, indent=2, default=str) + "\n")
+    sys.stdout.flush()
+
+
+def format_metrics(metrics: dict) -> str:
+    return (
+        f"train loss {metrics['train_loss']:.4f} · val loss {metrics['val_loss']:.4f} · "
+        f"val acc {100 * metrics['val_acc']:.2f}% · {metrics['images_per_sec']:.0f} img/s"
+    )
+
+
+def epoch_line(metrics: dict, epochs: int) -> None:
+    info(f"epoch {metrics['epoch']}/{epochs} · {format_metrics(metrics)}")
+
+
+class TrainProgress:
+    """A live bar on a terminal; one plain line per logging interval otherwise (logs, CI).
+    Silent on every rank but 0."""
+
+    def __init__(self, enabled: bool, epochs: int, steps_per_epoch: int):
+        self.enabled = enabled
+        self.epochs = epochs
+        self.steps = steps_per_epoch
+        self.live = enabled and console.is_terminal
+        self.bar: Progress | None = None
+        self.task = None
+        self.epoch = 0
+
+    def __enter__(self) -> TrainProgress:
+        if self.live:
+            self.bar = Progress(
+                TextColumn("epoch {task.fields[epoch]}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("loss {task.fields[loss]:.4f} · acc {task.fields[acc]:.1%}"),
+                TextColumn("· {task.fields[rate]:.0f} img/s"),
+                TimeElapsedColumn(),
+                console=console,
+                transient=True,
+            )
+            self.bar.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.bar:
+            self.bar.__exit__(*exc)
+
+    def start_epoch(self, epoch: int, done: int) -> None:
+        self.epoch = epoch + 1
+        if self.bar:
+            if self.task is not None:
+                self.bar.remove_task(self.task)
+            self.task = self.bar.add_task(
+                "train", total=self.steps, completed=done, epoch=f"{self.epoch}/{self.epochs}",
+                loss=0.0, acc=0.0, rate=0.0,
+            )  # fmt: skip
+
+    def update(self, step: int, loss: float, acc: float, rate: float) -> None:
+        if not self.enabled:
+            return
+        if self.bar:
+            self.bar.update(self.task, completed=step, loss=loss, acc=acc, rate=rate)
+        else:
+            info(
+                f"epoch {self.epoch}/{self.epochs} step {step}/{self.steps} · loss {loss:.4f} · "
+                f"acc {100 * acc:.1f}% · {rate:.0f} img/s"
+            )

@@ -1,0 +1,96 @@
+"""One training process: join the group, build the parts, train, leave cleanly.
+
+Started by our elastic launcher as `python -m ddpcli.worker CONFIG.json`, or called
+in-process when torchrun (or SLURM) already made this process a rank.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from ddpcli import ui
+from ddpcli.config import LauncherEnv, TrainConfig, cpu_count, read_launcher_env
+from ddpcli.data import DataPipeline, load_splits
+from ddpcli.dist import DistContext, init_distributed, shutdown
+from ddpcli.errors import DdpcliError
+from ddpcli.train import Trainer
+
+SUMMARY_FILE = "summary.json"
+
+
+def finalize_for_device(cfg: TrainConfig, ctx: DistContext) -> TrainConfig:
+    """The settings only a worker can resolve: they depend on the device it was given."""
+    updates: dict = {"backend": ctx.backend}
+    if cfg.precision == "auto":
+        gpu_bf16 = ctx.device.type == "cuda" and torch.cuda.is_bf16_supported()
+        updates["precision"] = "bf16" if gpu_bf16 else "fp32"
+    return cfg.model_copy(update=updates)
+
+
+def choose_data_path(cfg: TrainConfig, ctx: DistContext) -> bool:
+    """True: keep the data set in device memory. `auto` does so for the in-memory sets
+    when they take at most a quarter of the device's free memory."""
+    if cfg.data_path != "auto":
+        return cfg.data_path == "device"
+    if cfg.dataset == "imagefolder":
+        return False
+    if ctx.device.type != "cuda":
+        return True
+    free, _ = torch.cuda.mem_get_info(ctx.device)
+    images = cfg.synthetic_size * 1.25 if cfg.dataset == "synthetic" else 13_000
+    return images * 3 * cfg.image_size**2 < 0.25 * free
+
+
+def run_worker(cfg: TrainConfig, env: LauncherEnv) -> dict:
+    torch.set_num_threads(max(1, cpu_count() // max(1, env.local_world_size)))
+    ctx = init_distributed(
+        env,
+        want_gpu=not cfg.cpu,
+        backend=cfg.backend,
+        init_method=cfg.init_method,
+        timeout_s=cfg.timeout,
+    )
+    try:
+        cfg = finalize_for_device(cfg, ctx)
+        out = Path(cfg.out)
+        if ctx.is_main:
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "config.json").write_text(cfg.model_dump_json(indent=2) + "\n")
+        device_path = choose_data_path(cfg, ctx)
+        pipeline = DataPipeline(load_splits(cfg, ctx, device_path), cfg, ctx, device_path)
+        last = Trainer(cfg, ctx, pipeline).fit()
+        summary = {
+            **last,
+            "out": str(out),
+            "metrics": str(out / "metrics.jsonl"),
+            "config": str(out / "config.json"),
+            "last_checkpoint": str(out / "checkpoints" / "last.pt"),
+            "best_checkpoint": str(out / "checkpoints" / "best.pt"),
+        }
+        if ctx.is_main:
+            (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+        return summary
+    finally:
+        shutdown()
+
+
+@record
+def main(argv: list[str]) -> None:
+    cfg = TrainConfig.model_validate_json(Path(argv[1]).read_text())
+    env = read_launcher_env()
+    try:
+        run_worker(cfg, env)
+    except DdpcliError as error:
+        ui.error(f"rank {env.rank}: {error.message}")
+        sys.stderr.flush()
+        os._exit(error.exit_code)  # skip atexit hooks that could wait on dead peers
+
+
+if __name__ == "__main__":
+    main(sys.argv)
