@@ -12,6 +12,7 @@ import signal
 import socket
 import sys
 import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ddpcli import ui
@@ -48,29 +49,47 @@ def worker_environment(cfg: TrainConfig) -> dict[str, str]:
     return env
 
 
-def launch_config(cfg: TrainConfig, log_dir: str | None):
+@dataclass
+class WorkerJob:
+    """What any command needs to start its local workers under the elastic agent."""
+
+    module: str  # run as `python -m module *args` in every worker
+    args: list[str]
+    nproc_per_node: int
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None  # None on one node: a free port is picked
+    timeout_s: float = 300.0
+    max_restarts: int = 0
+    env: dict[str, str] = field(default_factory=dict)
+    log_dir: str | None = None
+
+
+def launch_config(job: WorkerJob):
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
     from torch.distributed.launcher.api import LaunchConfig
 
-    if cfg.nnodes == 1 and cfg.master_port is None:
+    timeout = max(1, int(job.timeout_s))
+    if job.nnodes == 1 and job.master_port is None:
         # Port 0: the rendezvous store binds a free port, so runs on one machine never collide.
-        backend, endpoint, rdzv_configs = "c10d", "127.0.0.1:0", {"timeout": int(cfg.timeout)}
+        backend, endpoint, rdzv_configs = "c10d", "127.0.0.1:0", {"timeout": timeout}
     else:
-        backend, endpoint = "static", f"{cfg.master_addr}:{cfg.master_port or 29500}"
-        rdzv_configs = {"rank": cfg.node_rank, "timeout": int(cfg.timeout)}
-    if log_dir:
-        logs = DefaultLogsSpecs(log_dir=log_dir, redirects=Std.ALL, tee=Std.ALL)
+        backend, endpoint = "static", f"{job.master_addr}:{job.master_port or 29500}"
+        rdzv_configs = {"rank": job.node_rank, "timeout": timeout}
+    if job.log_dir:
+        logs = DefaultLogsSpecs(log_dir=job.log_dir, redirects=Std.ALL, tee=Std.ALL)
     else:
         logs = DefaultLogsSpecs()
     return LaunchConfig(
-        min_nodes=cfg.nnodes,
-        max_nodes=cfg.nnodes,
-        nproc_per_node=cfg.nproc_per_node,
-        run_id=f"ddpcli-{uuid.uuid4().hex[:8]}" if cfg.nnodes == 1 else "ddpcli",
+        min_nodes=job.nnodes,
+        max_nodes=job.nnodes,
+        nproc_per_node=job.nproc_per_node,
+        run_id=f"ddpcli-{uuid.uuid4().hex[:8]}" if job.nnodes == 1 else "ddpcli",
         rdzv_backend=backend,
         rdzv_endpoint=endpoint,
         rdzv_configs=rdzv_configs,
-        max_restarts=cfg.max_restarts,
+        max_restarts=job.max_restarts,
         monitor_interval=0.1,
         start_method="spawn",
         logs_specs=logs,
@@ -78,36 +97,54 @@ def launch_config(cfg: TrainConfig, log_dir: str | None):
     )
 
 
-def _launch_elastic(cfg: TrainConfig, debug: bool) -> dict:
+def run_workers(job: WorkerJob, debug: bool = False) -> None:
+    """Start `job` under torch.distributed.elastic and wait; a failed rank becomes a
+    DdpcliError naming it (exit 2 if it failed on bad input, 1 otherwise)."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
-    out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
-    request = out / ".launch-config.json"
-    request.write_text(cfg.model_dump_json())
-    (out / "summary.json").unlink(missing_ok=True)
     if not debug:
         logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
-    os.environ.update(worker_environment(cfg))
+    os.environ.update(job.env)  # inherited by the workers, before any of them starts CUDA
     try:
-        elastic_launch(
-            launch_config(cfg, str(cfg.log_dir) if cfg.log_dir else None), sys.executable
-        )("-m", WORKER_MODULE, str(request))
+        elastic_launch(launch_config(job), sys.executable)("-m", job.module, *job.args)
     except ChildFailedError as failure:
         raise describe_failure(failure) from None
     except Exception as error:  # rendezvous errors: the world never formed
         name = type(error).__name__
         if "Rendezvous" in name or "Timeout" in name:
             raise runtime_error(
-                f"the job never formed: {name} after {cfg.timeout:g}s waiting for "
-                f"{cfg.nnodes} node(s) at {cfg.master_addr}:{cfg.master_port}; start the same "
+                f"the job never formed: {name} after {job.timeout_s:g}s waiting for "
+                f"{job.nnodes} node(s) at {job.master_addr}:{job.master_port}; start the same "
                 "command on every node (only --node-rank differs) or raise --timeout"
             ) from error
         raise
+
+
+def _launch_elastic(cfg: TrainConfig, debug: bool) -> dict:
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    request = out / ".launch-config.json"
+    request.write_text(cfg.model_dump_json())
+    summary_file = out / "summary.json"
+    summary_file.unlink(missing_ok=True)
+    job = WorkerJob(
+        module=WORKER_MODULE,
+        args=[str(request)],
+        nproc_per_node=cfg.nproc_per_node,
+        nnodes=cfg.nnodes,
+        node_rank=cfg.node_rank,
+        master_addr=cfg.master_addr,
+        master_port=cfg.master_port,
+        timeout_s=cfg.timeout,
+        max_restarts=cfg.max_restarts,
+        env=worker_environment(cfg),
+        log_dir=str(cfg.log_dir) if cfg.log_dir else None,
+    )
+    try:
+        run_workers(job, debug)
     finally:
         request.unlink(missing_ok=True)
-    summary_file = out / "summary.json"
     return json.loads(summary_file.read_text()) if summary_file.exists() else {"out": str(out)}
 
 
