@@ -10,6 +10,7 @@ and shard validation so every sample is counted exactly once.
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import os
 from collections.abc import Iterator
@@ -21,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DistributedSampler
 
+from ddpcli.config import sample_trace_path
 from ddpcli.dist import DistContext, zero_first
 from ddpcli.errors import usage_error
 
@@ -172,7 +174,6 @@ def check_imagefolder(data_dir: Path) -> list[str]:
 
 def decode_folder(split_dir: Path, classes: list[str], image_size: int) -> ImageSet:
     """Decode once to uint8 at the training size: shorter side resized, centre crop."""
-    from torchvision.io import ImageReadMode, decode_image
     from torchvision.transforms.v2 import functional as TF
 
     samples = folder_samples(split_dir, classes)
@@ -180,8 +181,7 @@ def decode_folder(split_dir: Path, classes: list[str], image_size: int) -> Image
         raise usage_error(f"{split_dir} holds no images ({', '.join(sorted(IMAGE_SUFFIXES))})")
     images = torch.empty(len(samples), 3, image_size, image_size, dtype=torch.uint8)
     for index, (path, _) in enumerate(samples):
-        image = decode_image(str(path), mode=ImageReadMode.RGB)
-        image = TF.resize(image, image_size, antialias=True)
+        image = TF.resize(read_rgb(path), image_size, antialias=True)
         images[index] = TF.center_crop(image, [image_size, image_size])
     labels = torch.tensor([label for _, label in samples], dtype=torch.int64)
     return ImageSet(images, labels)
@@ -342,8 +342,17 @@ class TensorBatches:
 # --- Batches streamed from disk through a DataLoader -------------------------------------
 
 
+def read_rgb(path: Path) -> torch.Tensor:
+    """uint8 (3, H, W). PIL decodes: torchvision.io's decoders are deprecated from 0.29."""
+    from PIL import Image
+    from torchvision.transforms.v2.functional import pil_to_tensor
+
+    with Image.open(path) as image:
+        return pil_to_tensor(image.convert("RGB"))
+
+
 class FolderDataset(torch.utils.data.Dataset):
-    """ImageNet-layout images decoded with torchvision.io (faster than PIL for JPEG)."""
+    """ImageNet-layout images, decoded and resized per item in DataLoader workers."""
 
     def __init__(self, split_dir: Path, classes: list[str], image_size: int, augment: bool):
         self.samples = folder_samples(split_dir, classes)
@@ -355,12 +364,10 @@ class FolderDataset(torch.utils.data.Dataset):
         return len(self.samples)
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
-        from torchvision.io import ImageReadMode, decode_image
         from torchvision.transforms.v2 import functional as TF
 
         path, label = self.samples[index]
-        image = decode_image(str(path), mode=ImageReadMode.RGB)
-        image = TF.resize(image, self.image_size, antialias=True)
+        image = TF.resize(read_rgb(path), self.image_size, antialias=True)
         image = TF.center_crop(image, [self.image_size, self.image_size])
         if self.augment:
             image = crop_and_flip_one(image, index, self.seed, self.epoch)
@@ -422,6 +429,27 @@ def default_workers(local_world_size: int) -> int:
     return max(0, min(8, (cores or 1) // max(1, local_world_size) - 1))
 
 
+class TracedBatches:
+    """Batches that append each batch's sample indices to a file as they are handed out
+    (DDPCLI_TRACE_SAMPLES): a record of exactly what this rank trained on."""
+
+    def __init__(self, batches, indices: list[int], batch_size: int, path: Path, epoch: int):
+        self.batches, self.indices, self.batch_size = batches, indices, batch_size
+        self.path, self.epoch = path, epoch
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self):
+        with open(self.path, "a") as handle:
+            for position, batch in enumerate(self.batches):
+                start = position * self.batch_size
+                chunk = self.indices[start : start + self.batch_size]
+                handle.write(json.dumps({"epoch": self.epoch, "indices": chunk}) + "\n")
+                handle.flush()
+                yield batch
+
+
 # --- What the training loop sees ---------------------------------------------------------
 
 
@@ -450,6 +478,8 @@ class DataPipeline:
         self.workers = (
             cfg.workers if cfg.workers is not None else default_workers(ctx.local_world_size)
         )
+        trace = sample_trace_path()
+        self.trace_file = trace.with_name(f"{trace.name}.rank{ctx.rank}") if trace else None
 
     def steps_per_epoch(self) -> int:
         per_rank = math.ceil(self.train_size / self.ctx.world_size)
@@ -459,7 +489,10 @@ class DataPipeline:
         """The epoch's order depends only on seed and epoch; a resume skips by position."""
         indices = train_shard(self.train_size, self.ctx, self.cfg.seed, epoch)
         indices = indices[skip_batches * self.cfg.per_gpu_batch :]
-        return self._batches(self.train_set, indices, augment=True, epoch=epoch)
+        batches = self._batches(self.train_set, indices, augment=True, epoch=epoch)
+        if self.trace_file:
+            return TracedBatches(batches, indices, self.cfg.per_gpu_batch, self.trace_file, epoch)
+        return batches
 
     def val_batches(self):
         indices = val_shard(self.val_size, self.ctx)

@@ -23,8 +23,11 @@ from ddpcli.checkpoint import (
     capture_rng_state,
     find_resume_path,
     gather_rng_states,
+    load_model_state,
+    load_training_checkpoint,
     restore_rng_state,
-    safe_load,
+    resume_warnings,
+    write_metrics_history,
 )
 from ddpcli.config import TrainConfig
 from ddpcli.data import DataPipeline
@@ -134,13 +137,14 @@ class Trainer:
             "metrics": self.state.history,
             "partial_sums": self.state.partial_sums,
             "world_size": self.ctx.world_size,
+            "num_classes": self.data.splits.num_classes,
             "config": json.loads(self.cfg.model_dump_json()),
             "rng": gather_rng_states(self.ctx, capture_rng_state()),
         }
 
     def resume(self, path: Path) -> None:
-        payload = safe_load(path, map_location=self.ctx.device)
-        unwrap(self.model).load_state_dict(payload["model"])
+        payload = load_training_checkpoint(path, map_location=self.ctx.device)
+        load_model_state(unwrap(self.model), payload["model"], path)
         self.optimizer.load_state_dict(payload["optimizer"])
         self.scheduler.load_state_dict(payload["scheduler"])
         if payload.get("scaler"):
@@ -156,12 +160,10 @@ class Trainer:
         rng_states = payload["rng"]
         if payload["world_size"] == self.ctx.world_size:
             restore_rng_state(rng_states[self.ctx.rank])
-        elif self.ctx.is_main:
-            ui.warn(
-                f"checkpoint was written by {payload['world_size']} ranks, this run has "
-                f"{self.ctx.world_size}: the data order from here on differs from the original run"
-            )
         if self.ctx.is_main:
+            config = json.loads(self.cfg.model_dump_json())
+            for warning in resume_warnings(payload, config, self.ctx.world_size):
+                ui.warn(warning)
             where = f"epoch {self.state.epoch + 1}" + (
                 f", batch {self.state.batch_in_epoch}" if self.state.batch_in_epoch else ""
             )
@@ -172,6 +174,10 @@ class Trainer:
         resume_path = find_resume_path(self.cfg)
         if resume_path:
             self.resume(resume_path)
+        elif self.cfg.resume == "auto" and self.ctx.is_main:
+            ui.info("--resume auto: no checkpoints/last.pt in the output folder; starting fresh")
+        if self.ctx.is_main:  # each epoch once, even if the interrupted run wrote one more
+            write_metrics_history(self.out / "metrics.jsonl", self.state.history)
         self.announce()
         progress = ui.TrainProgress(self.ctx.is_main, self.cfg.epochs, self.data.steps_per_epoch())
         with progress:
@@ -222,7 +228,7 @@ class Trainer:
                     break
         train_loss, train_acc = self.reduce_means(sums)
         images_per_sec = timer.images_per_sec(ctx)
-        val_loss, val_acc = self.validate()
+        val_loss, val_acc, val_samples = self.validate()
         return {
             "epoch": state.epoch + 1,
             "step": state.step,
@@ -230,6 +236,7 @@ class Trainer:
             "train_acc": train_acc,
             "val_loss": val_loss,
             "val_acc": val_acc,
+            "val_samples": val_samples,
             "images_per_sec": images_per_sec,
             "lr": self.scheduler.get_last_lr()[0],
             "global_batch": cfg.global_batch,
@@ -270,7 +277,7 @@ class Trainer:
         return total[0] / count, total[1] / count
 
     @torch.no_grad()
-    def validate(self) -> tuple[float, float]:
+    def validate(self) -> tuple[float, float, int]:
         """Every validation sample counted once: strided shards, no padding, one all_reduce.
         The unwrapped module runs, so ranks with one batch fewer never wait on a collective."""
         model = unwrap(self.model)
@@ -284,7 +291,9 @@ class Trainer:
             sums[1] += (logits.argmax(1) == labels).sum()
             sums[2] += len(labels)
         model.train()
-        return self.reduce_means(sums)
+        total = all_reduce_sum(sums, self.ctx).tolist()
+        count = max(total[2], 1.0)
+        return total[0] / count, total[1] / count, int(total[2])
 
     def finish_epoch(self, metrics: dict) -> None:
         state = self.state

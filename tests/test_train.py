@@ -1,0 +1,101 @@
+"""`ddpcli train` end to end: real Gloo processes, real files."""
+
+import json
+import shutil
+import sys
+
+import pytest
+from conftest import run_bounded, run_cli
+
+TINY = ["--cpu", "--arch", "tinycnn", "--image-size", "16", "--per-gpu-batch", "32"]
+
+
+def read_metrics(out):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_two_gloo_workers_learn_the_synthetic_set(tmp_path):
+    out = tmp_path / "run"
+    result = run_cli(
+        "train", *TINY, "--nproc", "2", "--synthetic-size", "2048", "--epochs", "4",
+        "--lr", "0.2", "--out", str(out), "--json", timeout=240,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads(result.stdout)  # stdout holds the JSON document and nothing else
+    assert summary["world_size"] == 2
+    assert summary["global_batch"] == 64
+    assert summary["val_acc"] > 0.5  # chance is 0.1
+    metrics = read_metrics(out)
+    assert [m["epoch"] for m in metrics] == [1, 2, 3, 4]
+    for field in ("train_loss", "val_loss", "val_acc", "images_per_sec", "global_batch"):
+        assert all(field in m for m in metrics)
+    assert metrics[-1]["train_loss"] < metrics[0]["train_loss"]
+    assert all(m["images_per_sec"] > 0 for m in metrics)
+    config = json.loads((out / "config.json").read_text())
+    assert config["arch"] == "tinycnn" and config["backend"] == "gloo"
+    assert (out / "checkpoints" / "last.pt").is_file()
+    assert (out / "checkpoints" / "best.pt").is_file()
+    # The run states the batch arithmetic before the first step.
+    assert "global batch 64" in result.stderr
+    assert "world size 2" in result.stderr
+
+
+def test_validation_counts_every_sample_once_with_an_odd_count(tmp_path):
+    # synthetic-size 84 -> 21 validation images: odd, so a padded sampler would count 22.
+    out = tmp_path / "run"
+    result = run_cli(
+        "train", *TINY, "--nproc", "2", "--synthetic-size", "84", "--epochs", "1",
+        "--per-gpu-batch", "4", "--out", str(out), timeout=180,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert read_metrics(out)[0]["val_samples"] == 21
+
+
+def test_max_steps_stops_early_and_plain_progress_lines(tmp_path):
+    out = tmp_path / "run"
+    result = run_cli(
+        "train", *TINY, "--nproc", "2", "--synthetic-size", "2048", "--epochs", "3",
+        "--max-steps", "4", "--log-every", "2", "--out", str(out), timeout=180,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    metrics = read_metrics(out)
+    assert len(metrics) == 1 and metrics[0]["step"] == 4
+    assert "step 2/" in result.stderr and "step 4/" in result.stderr  # one line per interval
+    assert "outputs in" in result.stderr
+
+
+def test_accumulation_multiplies_the_global_batch(tmp_path):
+    out = tmp_path / "run"
+    result = run_cli(
+        "train", *TINY, "--nproc", "2", "--synthetic-size", "256", "--epochs", "1",
+        "--accumulate", "2", "--out", str(out), timeout=180,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    metrics = read_metrics(out)[0]
+    assert metrics["global_batch"] == 32 * 2 * 2
+    assert metrics["step"] == 2  # 128 images per rank / 32 = 4 micro-batches = 2 steps
+
+
+@pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not on PATH")
+def test_under_torchrun_each_process_is_one_worker(tmp_path):
+    out = tmp_path / "run"
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        "-m", "ddpcli", "train", *TINY, "--synthetic-size", "256",
+        "--epochs", "1", "--out", str(out),
+    ]  # fmt: skip
+    result = run_bounded(command, timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    metrics = read_metrics(out)
+    assert len(metrics) == 1  # one world of 2, not two worlds of 2
+    assert metrics[0]["world_size"] == 2
+
+
+def test_resume_auto_without_checkpoint_starts_fresh(tmp_path):
+    out = tmp_path / "run"
+    result = run_cli(
+        "train", *TINY, "--nproc", "1", "--synthetic-size", "128", "--epochs", "1",
+        "--resume", "auto", "--out", str(out), timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert len(read_metrics(out)) == 1
