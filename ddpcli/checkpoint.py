@@ -170,16 +170,21 @@ def write_metrics_history(path: Path, history: list[dict]) -> None:
 # --- Safe loading ------------------------------------------------------------------------
 
 
-def safe_load(path: Path, map_location: Any = "cpu", check_digest: bool = False) -> Any:
-    """Load with weights_only=True; turn every way a file can be bad into one clear line."""
+def safe_load(
+    path: Path, map_location: Any = "cpu", check_digest: bool = False, lazy: bool = False
+) -> Any:
+    """Load with weights_only=True; turn every way a file can be bad into one clear line.
+    `lazy` memory-maps the tensor data, so reading only the structure of a huge file is
+    instant (not for resuming: the tensors would stay backed by the file)."""
     path = Path(path)
     _check_readable(path)
     if check_digest:
         check_recorded_digest(path)
+    mmap = lazy and _is_zip(path)  # torch.save's zip layout; mmap refuses anything else
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # pickle-protocol notes are noise to a user
-            return torch.load(path, map_location=map_location, weights_only=True)
+            return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as error:
         if digest_status(path)["status"] == "mismatch":
             check_recorded_digest(path)  # damaged bytes, not a malicious file: say so
@@ -204,16 +209,20 @@ def _check_readable(path: Path) -> None:
         raise usage_error(f"checkpoint {path} cannot be read: {error.strerror}") from None
 
 
-def _corruption_detail(path: Path, error: Exception) -> str:
+def _is_zip(path: Path) -> bool:
     import zipfile
 
+    return zipfile.is_zipfile(path)
+
+
+def _corruption_detail(path: Path, error: Exception) -> str:
     if path.stat().st_size == 0:
         return "the file is empty"
     with open(path, "rb") as handle:
         zipped = handle.read(2) == b"PK"
-    if zipped and not zipfile.is_zipfile(path):
+    if zipped and not _is_zip(path):
         return "the zip archive torch.save writes is cut short: it has no central directory"
-    return _first_line(error)
+    return f"{type(error).__name__}: {_first_line(error)}"
 
 
 def _refusal(path: Path, error: pickle.UnpicklingError):
@@ -253,6 +262,11 @@ def has_ddp_prefix(state_dict: dict[str, Any]) -> bool:
 def load_training_checkpoint(path: Path, map_location: Any) -> dict[str, Any]:
     """A checkpoint `--resume` can continue from: safe, uncorrupted, and complete."""
     payload = safe_load(path, map_location=map_location, check_digest=True)
+    check_training_payload(payload, path)
+    return payload
+
+
+def check_training_payload(payload: Any, path: Path) -> None:
     if isinstance(payload, dict) and payload.get("weights_only"):
         raise usage_error(
             f"cannot resume from {path}: it holds weights only (no optimizer, scheduler or RNG "
@@ -264,7 +278,6 @@ def load_training_checkpoint(path: Path, map_location: Any) -> dict[str, Any]:
             f"cannot resume from {path}: it is not a ddpcli training checkpoint "
             f"(no {', '.join(missing[:3])}); `ddpcli checkpoint inspect` shows what it holds"
         )
-    return payload
 
 
 def load_model_state(model: torch.nn.Module, state_dict: dict, path: Path) -> None:
@@ -298,6 +311,16 @@ def resume_warnings(payload: dict, config: dict, world_size: int) -> list[str]:
             "match an uninterrupted run"
         )
     return notes
+
+
+def check_resume_source(cfg) -> None:
+    """For the launcher, before any worker starts: a missing, broken or unsafe `--resume`
+    file is one line and exit 2 at once. Structure only (memory-mapped); the workers check
+    the digest when they load it for real."""
+    path = find_resume_path(cfg)
+    if path is None:
+        return
+    check_training_payload(safe_load(path, lazy=True), path)
 
 
 def find_resume_path(cfg) -> Path | None:
@@ -385,6 +408,7 @@ def _link_or_copy_atomic(source: Path, target: Path) -> None:
             os.fsync(handle.fileno())
     digests = recorded_digests(source)
     _replace_recording_digest(tmp, target, digests[0] if digests else file_sha256(source))
+    _fsync_dir(target.parent)  # the new name survives a power loss too
 
 
 class CheckpointWriter:
@@ -489,7 +513,7 @@ def inspect_checkpoint(path: Path) -> dict[str, Any]:
         storage_devices[location] += 1  # where it was saved from; loaded onto the CPU here
         return storage
 
-    payload = safe_load(path, map_location=record_device)
+    payload = safe_load(path, map_location=record_device, lazy=True)
     report: dict[str, Any] = {
         "path": str(path),
         "size_bytes": path.stat().st_size,
@@ -548,7 +572,7 @@ def verify_checkpoint(
     """Load safely, then check the digest, that every tensor is finite, and that the model of
     its config accepts the state dict. Each check passes, fails or is skipped, with why."""
     path = Path(path)
-    payload = safe_load(path)
+    payload = safe_load(path, lazy=True)
     checks = [
         {"check": "safe load", "status": "pass", "detail": "weights_only=True"},
         _check_digest(path),
@@ -676,7 +700,7 @@ def convert_checkpoint(
     path, out = Path(path), Path(out)
     if out.resolve() == path.resolve():
         raise usage_error(f"OUT must differ from PATH: converting {path} in place would lose it")
-    payload = safe_load(path)
+    payload = safe_load(path, lazy=True)
     state = model_state(payload)
     if state is None:
         raise usage_error(f"{path} holds no model state dict to convert")

@@ -72,14 +72,22 @@ def init_distributed(
 ) -> DistContext:
     device = choose_device(env.local_rank, want_gpu)
     backend = choose_backend(backend, device)
+    if init_method is None and env.launcher == "slurm":
+        # srun sets no MASTER_ADDR/PORT; the address comes from SLURM_NODELIST.
+        init_method = f"tcp://{env.master_addr}:{env.master_port or 29500}"
     if env.world_size > 1 or init_method:
         if backend == "nccl":
             # Fail a stuck collective instead of hanging forever (see docs/multi-node.md).
             os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
         try:
+            rendezvous = (
+                {"store": attempt_store(env, timeout_s)}
+                if init_method is None and env.agent_store
+                else {"init_method": init_method or "env://"}
+            )
             dist.init_process_group(
                 backend=backend,
-                init_method=init_method or "env://",
+                **rendezvous,
                 rank=env.rank,
                 world_size=env.world_size,
                 timeout=datetime.timedelta(seconds=timeout_s),
@@ -100,6 +108,20 @@ def init_distributed(
         device=device,
         backend=backend,
     )
+
+
+def attempt_store(env: LauncherEnv, timeout_s: float) -> dist.Store:
+    """The elastic agent's store, under a prefix per restart. With plain env:// the agent
+    reuses one store across restarts, and restarted Gloo ranks can read the dead ranks'
+    addresses and fail to connect (seen on torch 2.14 with --max-restarts)."""
+    store = dist.TCPStore(
+        env.master_addr,
+        env.master_port,
+        world_size=env.world_size,
+        is_master=False,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    return dist.PrefixStore(f"ddpcli/attempt-{env.restart_count}", store)
 
 
 def shutdown() -> None:

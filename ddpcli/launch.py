@@ -20,7 +20,6 @@ from ddpcli.config import TrainConfig, cpu_count, read_launcher_env
 from ddpcli.errors import USAGE, DdpcliError, runtime_error, usage_error
 
 WORKER_MODULE = "ddpcli.worker"
-SHUTDOWN_GRACE_S = 5  # SIGTERM, then SIGKILL, for the survivors of a failed job
 
 
 def launch_train(cfg: TrainConfig, debug: bool = False) -> dict:
@@ -77,8 +76,12 @@ def launch_config(job: WorkerJob):
     else:
         backend, endpoint = "static", f"{job.master_addr}:{job.master_port or 29500}"
         rdzv_configs = {"rank": job.node_rank, "timeout": timeout}
+    prefix = None
     if job.log_dir:
-        logs = DefaultLogsSpecs(log_dir=job.log_dir, redirects=Std.ALL, tee=Std.ALL)
+        # Every rank's output in its own file; the console shows rank 0 and everyone's errors.
+        tee = {rank: Std.ALL if rank == 0 else Std.ERR for rank in range(job.nproc_per_node)}
+        logs = DefaultLogsSpecs(log_dir=job.log_dir, redirects=Std.ALL, tee=tee)
+        prefix = "[${hostname} rank ${rank}] "
     else:
         logs = DefaultLogsSpecs()
     return LaunchConfig(
@@ -93,7 +96,9 @@ def launch_config(job: WorkerJob):
         monitor_interval=0.1,
         start_method="spawn",
         logs_specs=logs,
-        shutdown_timeout=SHUTDOWN_GRACE_S,
+        log_line_prefix_template=prefix,
+        # No shutdown_timeout: with a short one (5 s, measured on torch 2.14) restarted
+        # Gloo workers could not connect to each other again.
     )
 
 
@@ -106,6 +111,7 @@ def run_workers(job: WorkerJob, debug: bool = False) -> None:
     if not debug:
         logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     os.environ.update(job.env)  # inherited by the workers, before any of them starts CUDA
+    store = roll_call(job) if job.nnodes > 1 else None  # noqa: F841 - keeps the server alive
     try:
         elastic_launch(launch_config(job), sys.executable)("-m", job.module, *job.args)
     except ChildFailedError as failure:
@@ -119,6 +125,83 @@ def run_workers(job: WorkerJob, debug: bool = False) -> None:
                 "command on every node (only --node-rank differs) or raise --timeout"
             ) from error
         raise
+
+
+ROLL_PREFIX = "ddpcli/roll/"
+
+
+def roll_call(job: WorkerJob):
+    """Before any worker starts, every node reports to node 0 on the master's store, so a
+    node that never comes is named after --timeout instead of everyone waiting forever.
+    Node 0 hosts the store (multi-tenant: the elastic agent's rendezvous reuses it)."""
+    import datetime
+    import time
+
+    from torch.distributed import TCPStore
+
+    timeout = datetime.timedelta(seconds=job.timeout_s)
+    address = f"{job.master_addr}:{job.master_port}"
+    if job.node_rank != 0:
+        wait_for_port(job)
+    try:
+        store = TCPStore(
+            job.master_addr, job.master_port, is_master=job.node_rank == 0,
+            wait_for_workers=False, timeout=timeout, multi_tenant=True,
+        )  # fmt: skip
+    except (RuntimeError, OSError) as error:
+        if job.node_rank == 0:
+            raise usage_error(
+                f"cannot listen on {address}: {first_line(error)}; pick another --master-port "
+                "or check that --master-addr is an address of this machine"
+            ) from None
+        raise runtime_error(
+            f"node {job.node_rank}: could not reach the master at {address} within "
+            f"{job.timeout_s:g}s; start node 0 first, check the address and that the port is "
+            "open (ddpcli check-env --master-addr ... --master-port ...)"
+        ) from None
+    store.set(f"{ROLL_PREFIX}{job.node_rank}", socket.gethostname())
+    if job.node_rank != 0:
+        return store
+    deadline = time.monotonic() + job.timeout_s
+    while True:
+        present = [r for r in range(job.nnodes) if store.check([f"{ROLL_PREFIX}{r}"])]
+        if len(present) == job.nnodes:
+            return store
+        if time.monotonic() > deadline:
+            missing = [r for r in range(job.nnodes) if r not in present]
+            raise runtime_error(
+                f"only {len(present)} of {job.nnodes} nodes joined at {address} within "
+                f"{job.timeout_s:g}s ({len(present) * job.nproc_per_node} of "
+                f"{job.nnodes * job.nproc_per_node} ranks); missing node rank(s): "
+                f"{', '.join(map(str, missing))}. Start the same command there with "
+                "--node-rank set, or raise --timeout"
+            )
+        time.sleep(0.2)
+
+
+def wait_for_port(job: WorkerJob) -> None:
+    """Poll the master's port from Python: TCPStore's own retries print C++ stack traces."""
+    import time
+
+    deadline = time.monotonic() + job.timeout_s
+    while True:
+        try:
+            socket.create_connection((job.master_addr, job.master_port), timeout=2).close()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise runtime_error(
+                    f"node {job.node_rank}: could not reach the master at {job.master_addr}:"
+                    f"{job.master_port} within {job.timeout_s:g}s; start node 0 first, check "
+                    "the address and that the port is open (ddpcli check-env --master-addr "
+                    "HOST --master-port PORT)"
+                ) from None
+            time.sleep(0.5)
+
+
+def first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return lines[0][:300] if lines else type(error).__name__
 
 
 def _launch_elastic(cfg: TrainConfig, debug: bool) -> dict:
@@ -145,7 +228,9 @@ def _launch_elastic(cfg: TrainConfig, debug: bool) -> dict:
         run_workers(job, debug)
     finally:
         request.unlink(missing_ok=True)
-    return json.loads(summary_file.read_text()) if summary_file.exists() else {"out": str(out)}
+    if summary_file.exists():
+        return json.loads(summary_file.read_text())
+    return {"out": str(out), "node_rank": cfg.node_rank}  # rank 0 runs on another node
 
 
 def describe_failure(failure) -> DdpcliError:
@@ -183,6 +268,8 @@ def error_tail(failure, lines: int = 3) -> str:
             extra = message.get("extraInfo", {}).get("py_callstack", "")
             message = extra or message.get("message", "")
     tail = [line for line in str(message).strip().splitlines() if line.strip()][-lines:]
-    if not tail or "To enable traceback" in tail[-1] or tail[-1].startswith("Signal "):
+    if not tail or tail[-1] == "<NONE>" or "To enable traceback" in tail[-1]:
+        return ""
+    if tail[-1].startswith("Signal "):
         return ""
     return "\n".join(f"  {line}" for line in tail)

@@ -7,22 +7,24 @@ import sys
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 console = Console(stderr=True, highlight=False)
 
 
 def info(message: str) -> None:
-    console.print(message, markup=False)
+    console.print(message, markup=False, soft_wrap=True)
 
 
 def warn(message: str) -> None:
-    console.print(f"[yellow]warning:[/yellow] {message}", soft_wrap=True)
+    console.print(f"[yellow]warning:[/yellow] {escape(message)}", soft_wrap=True)
 
 
 def error(message: str) -> None:
+    # Messages quote paths and C++ errors like "[/src/pair.cc:152]": never markup.
     for line in message.splitlines():
-        console.print(f"[bold red]error:[/bold red] {line}", soft_wrap=True)
+        console.print(f"[bold red]error:[/bold red] {escape(line)}", soft_wrap=True)
 
 
 def print_json(document: Any) -> None:

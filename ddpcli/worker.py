@@ -6,8 +6,10 @@ in-process when torchrun (or SLURM) already made this process a rank.
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -49,6 +51,10 @@ def choose_data_path(cfg: TrainConfig, ctx: DistContext) -> bool:
 
 def run_worker(cfg: TrainConfig, env: LauncherEnv) -> dict:
     torch.set_num_threads(max(1, cpu_count() // max(1, env.local_world_size)))
+    if env.restart_count > 0 and cfg.resume is None:
+        cfg = cfg.model_copy(update={"resume": "auto"})  # the agent restarted us: continue
+        if env.rank == 0:
+            ui.warn(f"restart {env.restart_count}: resuming from the last checkpoint")
     ctx = init_distributed(
         env,
         want_gpu=not cfg.cpu,
@@ -75,19 +81,30 @@ def run_worker(cfg: TrainConfig, env: LauncherEnv) -> dict:
         }
         if ctx.is_main:
             (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
-        return summary
     finally:
         shutdown()
+    if ctx.is_main:  # only after a clean run: a failed one may still be debugged
+        remove_init_file(cfg.init_method)
+    return summary
+
+
+def remove_init_file(init_method: str | None) -> None:
+    """file:// init leaves its file behind, and the next run would hang on it."""
+    if init_method and init_method.startswith("file://"):
+        Path(init_method.removeprefix("file://")).unlink(missing_ok=True)
 
 
 @record
 def main(argv: list[str]) -> None:
+    # When the agent stops a stuck job (SIGTERM), say where this rank was waiting first.
+    faulthandler.register(signal.SIGTERM, chain=True)
     cfg = TrainConfig.model_validate_json(Path(argv[1]).read_text())
     env = read_launcher_env()
     try:
         run_worker(cfg, env)
     except DdpcliError as error:
-        ui.error(f"rank {env.rank}: {error.message}")
+        prefix = "" if error.message.startswith("rank ") else f"rank {env.rank}: "
+        ui.error(prefix + error.message)
         sys.stderr.flush()
         os._exit(error.exit_code)  # skip atexit hooks that could wait on dead peers
 

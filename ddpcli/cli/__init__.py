@@ -62,6 +62,9 @@ def run_command(action, json_output: bool = False) -> None:
 
 
 # Each module registers its command(s) on `app` when imported.
+from ddpcli.cli import barrier as _barrier  # noqa: E402, F401
+from ddpcli.cli import checkenv as _checkenv  # noqa: E402, F401
+from ddpcli.cli import checkpoint as _checkpoint  # noqa: E402, F401
 from ddpcli.cli import train as _train  # noqa: E402, F401
 
 

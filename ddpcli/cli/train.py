@@ -177,6 +177,9 @@ def report_training(cfg, summary: dict, json_output: bool) -> None:
     if json_output:
         ui.print_json(summary)
         return
+    if summary.get("node_rank", 0) != 0:
+        ui.info(f"node {summary['node_rank']} finished; node 0 (rank 0) writes the outputs")
+        return
     if "val_acc" in summary:
         ui.info(f"done: {ui.format_metrics(summary)}")
     ui.info(

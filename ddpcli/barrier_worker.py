@@ -1,0 +1,36 @@
+"""One rank of `ddpcli bench-barrier`, as started by the elastic launcher:
+`python -m ddpcli.barrier_worker CONFIG.json WORKDIR`. Rank 0 leaves its report in
+WORKDIR/result.json; a rank that times out at a barrier leaves hang-RANK.json there.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from ddpcli import ui
+from ddpcli.barrier import BarrierTimeout, run_rank
+from ddpcli.config import BarrierConfig, read_launcher_env
+from ddpcli.errors import DdpcliError
+
+
+@record
+def main(argv: list[str]) -> None:
+    cfg = BarrierConfig.model_validate_json(Path(argv[1]).read_text())
+    env = read_launcher_env()
+    try:
+        run_rank(cfg, env, workdir=Path(argv[2]))
+    except BarrierTimeout as error:
+        # Quiet: the launching process sums up what every rank left behind.
+        os._exit(error.exit_code)  # the group is stuck: skip teardown that would wait on it
+    except DdpcliError as error:
+        ui.error(f"rank {env.rank}: {error.message}")
+        sys.stderr.flush()
+        os._exit(error.exit_code)  # skip atexit hooks that could wait on dead peers
+
+
+if __name__ == "__main__":
+    main(sys.argv)

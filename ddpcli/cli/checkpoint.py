@@ -1,0 +1,224 @@
+"""`ddpcli checkpoint inspect|verify|convert`: read checkpoints safely, never run them.
+
+The engine (ddpcli.checkpoint) returns plain data; this module only shows it: a rich
+table on stderr for people, one JSON document on stdout with `--json`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from ddpcli import ui
+from ddpcli.cli import checkpoint_app, run_command
+from ddpcli.errors import runtime_error
+
+CheckpointPath = Annotated[Path, typer.Argument(help="A checkpoint file (.pt).")]
+JsonFlag = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout.")]
+
+
+@checkpoint_app.command("inspect")
+def inspect(path: CheckpointPath, json_output: JsonFlag = False) -> None:
+    """Show epoch, step, metrics, config, tensor and parameter counts, dtypes and devices.
+
+    Loads with weights_only=True: a file that needs arbitrary Python objects is refused."""
+
+    def action() -> None:
+        from ddpcli.checkpoint import inspect_checkpoint
+
+        report = inspect_checkpoint(path)
+        if json_output:
+            ui.print_json(report)
+        else:
+            show_inspection(report)
+
+    run_command(action)
+
+
+@checkpoint_app.command("verify")
+def verify(
+    path: CheckpointPath,
+    arch: Annotated[
+        str | None, typer.Option(help="Model to check a plain state dict against.")
+    ] = None,
+    num_classes: Annotated[
+        int | None, typer.Option(help="Classes of that model (default: from the file).")
+    ] = None,
+    json_output: JsonFlag = False,
+) -> None:
+    """Check the recorded SHA-256, finite tensors, and that the model accepts the weights.
+
+    Loads with weights_only=True. Exit 1 with the reason if a check fails, 2 if the file
+    cannot be read safely at all."""
+
+    def action() -> None:
+        from ddpcli.checkpoint import verify_checkpoint
+
+        report = verify_checkpoint(path, arch=arch, num_classes=num_classes)
+        if json_output:
+            ui.print_json(report)
+        else:
+            show_checks(report)
+        failed = [check for check in report["checks"] if check["status"] == "fail"]
+        if failed:
+            reasons = "; ".join(f"{check['check']}: {check['detail']}" for check in failed)
+            raise runtime_error(f"{path} failed verification: {reasons}")
+        if not json_output:
+            ui.info(f"{path}: OK")
+
+    run_command(action)
+
+
+@checkpoint_app.command("convert")
+def convert(
+    path: CheckpointPath,
+    out: Annotated[Path, typer.Argument(help="File to write.")],
+    strip_ddp_prefix: Annotated[
+        bool, typer.Option("--strip-ddp-prefix", help="Drop the `module.` that DDP adds to keys.")
+    ] = False,
+    weights_only: Annotated[
+        bool,
+        typer.Option(
+            "--weights-only",
+            help="Keep epoch, metrics and config with the weights; drop optimizer and RNG state.",
+        ),
+    ] = False,
+    json_output: JsonFlag = False,
+) -> None:
+    """Write the model's plain state dict, or a weights-only checkpoint.
+
+    The state dict is what `torchvision.models.ARCH(num_classes=N).load_state_dict` takes;
+    --weights-only keeps epoch, metrics and config but drops optimizer and RNG state."""
+
+    def action() -> None:
+        from ddpcli.checkpoint import convert_checkpoint
+
+        report = convert_checkpoint(path, out, strip_ddp_prefix, weights_only)
+        if json_output:
+            ui.print_json(report)
+            return
+        ui.info(
+            f"wrote {report['out']}: {report['layout']} of {report['tensors']} tensors "
+            f"({report['parameters']:,} parameters), {human_size(report['size_bytes'])}"
+        )
+        if report["ddp_prefix"]:
+            ui.warn("keys still start with `module.`; add --strip-ddp-prefix for a plain model")
+        # Soft-wrapped so the line stays one line when copied from the terminal.
+        ui.console.print(f"load it with: {report['load_hint']}", markup=False, soft_wrap=True)
+
+    run_command(action)
+
+
+# --- Showing reports ----------------------------------------------------------------------
+
+
+def human_size(size: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if size < 1024 or unit == "GB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} TB"  # pragma: no cover
+
+
+KIND_WORDS = {
+    "training": "ddpcli training checkpoint",
+    "weights-only": "ddpcli weights-only checkpoint (cannot resume)",
+    "state-dict": "plain state dict",
+    "unknown": "not a checkpoint ddpcli recognises",
+}
+
+
+def show_inspection(report: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    table = Table(title=f"checkpoint {report['path']}", show_header=False, title_justify="left")
+    table.add_column(style="bold")
+    table.add_column()
+    for name, value in inspection_rows(report):
+        table.add_row(name, value)
+    ui.console.print(table)
+    if report.get("metrics"):
+        ui.console.print(metrics_table(report["metrics"]))
+    if report.get("config"):
+        config = report["config"].items()
+        settings = (f"{k}={v}" for k, v in config if v is not None and v is not False)
+        ui.info("config: " + " ".join(settings))
+
+
+def inspection_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
+    kind = KIND_WORDS[report["kind"]]
+    if report["kind"] == "training" and not report.get("resumable"):
+        kind += " (incomplete: cannot resume)"
+    rows = [("kind", kind)]
+    if "step" in report:
+        rows.append(("progress", progress_words(report)))
+        rows.append(("world size", str(report["world_size"])))
+        rows.append(("architecture", f"{report['arch']} · {report['num_classes']} classes"))
+        if report.get("best_val_acc") is not None and report["best_val_acc"] >= 0:
+            rows.append(("best val acc", f"{100 * report['best_val_acc']:.2f}%"))
+    model = report.get("model")
+    if model:
+        rows.append(("parameters", f"{model['parameters']:,} in {model['tensors']} tensors"))
+        rows.append(("model size", human_size(model["bytes"])))
+        dtypes = ", ".join(f"{name} ×{count}" for name, count in model["dtypes"].items())
+        rows.append(("dtypes", dtypes))
+        prefix = "yes: keys start with `module.`" if model["ddp_prefix"] else "no"
+        rows.append(("DDP `module.` prefix", prefix))
+    devices = ", ".join(f"{name} ×{count}" for name, count in report["devices"].items())
+    rows.append(("saved on", devices or "-"))
+    rows.append(("tensors in file", str(report["tensors"])))
+    rows.append(("size on disk", human_size(report["size_bytes"])))
+    rows.append(("sha256", digest_words(report["digest"])))
+    return rows
+
+
+def progress_words(report: dict[str, Any]) -> str:
+    done, planned = report["epochs_done"], report.get("epochs_planned") or "?"
+    if report.get("batch_in_epoch"):
+        where = f"inside epoch {done + 1} of {planned}, after batch {report['batch_in_epoch']}"
+    else:
+        where = f"{done} of {planned} epochs done"
+    return f"{where} · step {report['step']}"
+
+
+def digest_words(digest: dict[str, Any]) -> str:
+    if digest["status"] == "missing":
+        return "not recorded (no .sha256 beside the file)"
+    if digest["status"] == "mismatch":
+        return f"MISMATCH: file {digest['sha256'][:16]}…, recorded {digest['recorded'][:16]}…"
+    return f"ok {digest['sha256'][:16]}…"
+
+
+def metrics_table(metrics: list[dict]):
+    from rich.table import Table
+
+    table = Table(title="metrics", title_justify="left")
+    for column in ("epoch", "train loss", "val loss", "val acc", "img/s"):
+        table.add_column(column, justify="right")
+    for row in metrics:
+        table.add_row(
+            str(row.get("epoch", "?")),
+            f"{row.get('train_loss', float('nan')):.4f}",
+            f"{row.get('val_loss', float('nan')):.4f}",
+            f"{100 * row.get('val_acc', float('nan')):.2f}%",
+            f"{row.get('images_per_sec', 0):.0f}",
+        )
+    return table
+
+
+STATUS_MARKS = {"pass": "[green]pass[/green]", "fail": "[red]FAIL[/red]", "skip": "[dim]skip[/dim]"}
+
+
+def show_checks(report: dict[str, Any]) -> None:
+    from rich.markup import escape
+    from rich.table import Table
+
+    table = Table(title=f"verify {report['path']}", title_justify="left")
+    table.add_column("check")
+    table.add_column("result")
+    table.add_column("detail")
+    for check in report["checks"]:
+        table.add_row(check["check"], STATUS_MARKS[check["status"]], escape(check["detail"]))
+    ui.console.print(table)

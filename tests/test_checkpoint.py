@@ -1,0 +1,483 @@
+"""Checkpoints a user can trust: atomic writes, safe loads, inspect / verify / convert.
+
+Most command tests run in-process through Typer's CliRunner (no torch import per call);
+the claims that matter most (a malicious file is refused, a broken file is one line, a
+kill mid-save keeps last.pt) also run as real processes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from conftest import REPO, run_cli
+from typer.testing import CliRunner
+
+from ddpcli import checkpoint
+from ddpcli.checkpoint import (
+    FORMAT,
+    CheckpointWriter,
+    atomic_save,
+    capture_rng_state,
+    digest_status,
+    load_training_checkpoint,
+    restore_rng_state,
+    safe_load,
+    sha256_path,
+)
+from ddpcli.cli import app
+from ddpcli.errors import DdpcliError
+
+TINY_TRAIN = [
+    "--cpu", "--nproc", "2", "--arch", "tinycnn", "--image-size", "16",
+    "--synthetic-size", "64", "--per-gpu-batch", "16", "--epochs", "1",
+]  # fmt: skip
+
+
+def invoke(*args: str):
+    """`ddpcli ARGS` in-process; stdout and stderr apart, as a terminal user sees them."""
+    return CliRunner().invoke(app, list(args))
+
+
+def training_payload(arch: str = "tinycnn", num_classes: int = 10, prefix: str = "") -> dict:
+    """What Trainer.checkpoint_payload writes, built without a training run."""
+    from ddpcli.config import TrainConfig
+    from ddpcli.models import build_model
+
+    torch.manual_seed(0)
+    model = build_model(arch, num_classes)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    config = TrainConfig(arch=arch, epochs=3, cpu=True, image_size=16)
+    return {
+        "format": FORMAT,
+        "model": {prefix + key: value for key, value in model.state_dict().items()},
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict(),
+        "scaler": None,
+        "epoch": 1,
+        "batch_in_epoch": 0,
+        "step": 8,
+        "best_val_acc": 0.5,
+        "metrics": [{"epoch": 1, "train_loss": 2.3, "val_loss": 2.2, "val_acc": 0.5}],
+        "partial_sums": None,
+        "world_size": 2,
+        "num_classes": num_classes,
+        "config": json.loads(config.model_dump_json()),
+        "rng": [capture_rng_state(), capture_rng_state()],
+    }
+
+
+@pytest.fixture
+def saved(tmp_path) -> Path:
+    path = tmp_path / "ckpt.pt"
+    atomic_save(training_payload(), path)
+    return path
+
+
+# --- 1. What a checkpoint holds, and that it loads safely ------------------------------------
+
+
+def test_rng_states_round_trip_through_a_safe_load(tmp_path):
+    random.seed(1), np.random.seed(2), torch.manual_seed(3)
+    atomic_save({"rng": [capture_rng_state()]}, tmp_path / "rng.pt")
+    expected = (random.random(), np.random.rand(), torch.rand(1).item())
+    random.seed(9), np.random.seed(9), torch.manual_seed(9)
+    restore_rng_state(safe_load(tmp_path / "rng.pt")["rng"][0])
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected
+
+
+def test_our_payload_is_tensors_and_plain_types(saved):
+    payload = safe_load(saved)  # weights_only=True: would raise on any other object
+    assert not any(key.startswith("module.") for key in payload["model"])
+    assert payload["config"]["arch"] == "tinycnn"
+    assert isinstance(payload["rng"][1]["numpy"]["keys"], torch.Tensor)
+
+
+# --- 3. A checkpoint from a GPU loads on the CPU ------------------------------------------------
+
+
+def save_as_if_on_cuda(obj, path: Path, monkeypatch) -> None:
+    """torch.save tags each storage with its device; this writes exactly what a save from
+    cuda:0 writes, on a machine without CUDA."""
+    import torch.serialization
+
+    with monkeypatch.context() as patch:
+        patch.setattr(torch.serialization, "location_tag", lambda storage: "cuda:0")
+        torch.save(obj, path)
+
+
+def test_checkpoint_written_on_cuda_loads_on_cpu(tmp_path, monkeypatch):
+    path = tmp_path / "gpu.pt"
+    save_as_if_on_cuda(training_payload(), path, monkeypatch)
+    payload = load_training_checkpoint(path, map_location=torch.device("cpu"))
+    assert payload["model"]["fc.weight"].device.type == "cpu"
+    restore_rng_state(payload["rng"][0])
+    report = json.loads(invoke("checkpoint", "inspect", str(path), "--json").stdout)
+    assert report["devices"] == {"cuda:0": report["tensors"]}
+
+
+# --- 4. Atomic and durable writes, --keep-last ------------------------------------------------
+
+
+def test_atomic_save_records_its_digest_and_leaves_no_temporaries(tmp_path):
+    digest = atomic_save({"w": torch.ones(10)}, tmp_path / "last.pt")
+    assert sha256_path(tmp_path / "last.pt").read_text().split()[0] == digest
+    assert digest_status(tmp_path / "last.pt")["status"] == "ok"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.pt", "last.pt.sha256"]
+
+
+SLOW_SAVE = r"""
+import sys, time
+import torch
+from ddpcli import checkpoint
+
+class SlowWriter(checkpoint._HashingWriter):
+    def write(self, data):  # dribble the bytes out so the parent can kill us mid-file
+        view = memoryview(data).cast("B")
+        for start in range(0, len(view), 1 << 16):
+            super().write(view[start : start + (1 << 16)])
+            self.handle.flush()
+            time.sleep(0.01)
+        return len(view)
+
+checkpoint._HashingWriter = SlowWriter
+checkpoint.atomic_save({"epoch": 2, "weights": torch.full((4_000_000,), 2.0)}, sys.argv[1])
+"""
+
+
+def wait_for_partial_file(directory: Path, min_bytes: int, timeout: float) -> Path:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for candidate in directory.glob(".last.pt.*.tmp"):
+            if candidate.stat().st_size >= min_bytes:
+                return candidate
+        time.sleep(0.02)
+    raise AssertionError("the save never started writing its temporary file")
+
+
+def test_kill_during_save_leaves_the_previous_last_intact(tmp_path):
+    last = tmp_path / "last.pt"
+    atomic_save({"epoch": 1, "weights": torch.full((4_000_000,), 1.0)}, last)
+    before = last.read_bytes()
+    child = subprocess.Popen([sys.executable, "-c", SLOW_SAVE, str(last)], cwd=REPO)
+    try:
+        partial = wait_for_partial_file(tmp_path, min_bytes=1 << 20, timeout=60)
+        child.send_signal(signal.SIGKILL)
+    finally:
+        child.kill()
+        child.wait(timeout=30)
+    assert child.returncode == -signal.SIGKILL
+    assert partial.exists() and partial.stat().st_size < len(before)  # killed mid-write
+    assert last.read_bytes() == before
+    payload = safe_load(last, check_digest=True)
+    assert payload["epoch"] == 1 and bool((payload["weights"] == 1.0).all())
+    # The next save of the run sweeps the orphaned temporary file.
+    writer = CheckpointWriter(SimpleNamespace(out=tmp_path.parent, keep_last=0), main_rank())
+    writer.directory = tmp_path
+    writer.save({"epoch": 3}, "epoch-0003.pt", is_best=False)
+    assert not partial.exists()
+
+
+def test_digest_sidecar_matches_the_file_at_every_instant_of_a_replace(tmp_path):
+    """A kill between writing the new sidecar and renaming the file leaves the old file with a
+    sidecar that still vouches for it; a good file never looks corrupt."""
+    last = tmp_path / "last.pt"
+    atomic_save({"epoch": 1}, last)
+    tmp = tmp_path / ".last.pt.new.tmp"
+    new_digest = atomic_save({"epoch": 2}, tmp)
+    previous = checkpoint.recorded_digests(last)
+    checkpoint._record_digests(last, [new_digest, *previous])  # killed right after this
+    assert digest_status(last)["status"] == "ok"
+    os.replace(tmp, last)  # ...or right after this
+    assert digest_status(last)["status"] == "ok"
+
+
+def main_rank():
+    return SimpleNamespace(is_main=True, distributed=False, rank=0, world_size=1)
+
+
+def test_keep_last_keeps_the_newest_numbered_files_besides_last_and_best(tmp_path):
+    writer = CheckpointWriter(SimpleNamespace(out=tmp_path, keep_last=2), main_rank())
+    names = ["step-00000003.pt", "epoch-0001.pt", "step-00000011.pt", "epoch-0002.pt"]
+    for index, name in enumerate(names):
+        writer.save({"index": index}, name, is_best=index == 1)
+    kept = sorted(p.name for p in writer.directory.glob("*.pt"))
+    assert kept == ["best.pt", "epoch-0002.pt", "last.pt", "step-00000011.pt"]
+    assert safe_load(writer.directory / "last.pt", check_digest=True)["index"] == 3
+    assert safe_load(writer.directory / "best.pt", check_digest=True)["index"] == 1
+    assert not list(writer.directory.glob("epoch-0001.pt*"))  # sidecar pruned with it
+
+
+# --- 5. Safety: a malicious file is refused and nothing in it runs ------------------------------
+
+
+class CreatesMarker:
+    """Unpickling this calls open(marker, "w"): proof that a load ran code."""
+
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def malicious_checkpoint(directory: Path) -> tuple[Path, Path]:
+    path, marker = directory / "evil.pt", directory / "MARKER"
+    payload = training_payload()
+    payload["metrics"] = [CreatesMarker(marker)]
+    torch.save(payload, path)
+    return path, marker
+
+
+def test_the_malicious_file_would_run_code_if_loaded_unsafely(tmp_path):
+    path, marker = malicious_checkpoint(tmp_path)
+    torch.load(path, weights_only=False)  # what a careless tool does
+    assert marker.exists()
+
+
+@pytest.mark.parametrize("command", ["inspect", "verify", "convert"])
+def test_malicious_checkpoint_is_refused_and_nothing_runs(tmp_path, command):
+    path, marker = malicious_checkpoint(tmp_path)
+    extra = [str(tmp_path / "out.pt")] if command == "convert" else []
+    result = invoke("checkpoint", command, str(path), *extra)
+    assert result.exit_code == 2
+    assert "refused" in result.stderr and "io.open" in result.stderr
+    assert not marker.exists()
+    assert not (tmp_path / "out.pt").exists()
+
+
+def test_malicious_checkpoint_refused_by_the_real_cli_and_by_train_resume(tmp_path):
+    path, marker = malicious_checkpoint(tmp_path)
+    inspect = run_cli("checkpoint", "inspect", str(path), timeout=60)
+    assert inspect.returncode == 2, inspect.stderr
+    assert inspect.stderr.count("\n") == 1 and "refused" in inspect.stderr
+    train = run_cli("train", *TINY_TRAIN, "--out", str(tmp_path / "run"), "--resume", str(path))
+    assert train.returncode == 2, train.stderr[-2000:]
+    assert "refused" in train.stderr and "Traceback" not in train.stderr
+    assert not marker.exists()
+    assert not (tmp_path / "run" / "checkpoints").exists()  # nothing trained
+
+
+def test_raw_pickle_with_a_global_is_refused(tmp_path):
+    import pickle
+
+    path, marker = tmp_path / "raw.pt", tmp_path / "MARKER"
+    path.write_bytes(pickle.dumps({"model": CreatesMarker(marker)}, protocol=2))
+    with pytest.raises(DdpcliError, match="refused") as error:
+        safe_load(path)
+    assert error.value.exit_code == 2 and not marker.exists()
+
+
+# --- 7. Missing, truncated or corrupt: exit 2, one line ---------------------------------------
+
+
+def broken_files(directory: Path, good: Path) -> dict[str, Path]:
+    data = good.read_bytes()
+    files = {
+        "missing": directory / "nope.pt",
+        "truncated": directory / "truncated.pt",
+        "empty": directory / "empty.pt",
+        "not torch": directory / "notes.pt",
+        "folder": directory,
+    }
+    files["truncated"].write_bytes(data[: len(data) // 2])
+    files["empty"].write_bytes(b"")
+    files["not torch"].write_text("hello\n")
+    return files
+
+
+@pytest.mark.parametrize("case", ["missing", "truncated", "empty", "not torch", "folder"])
+def test_broken_file_is_exit_2_with_one_line_naming_it(tmp_path, saved, case):
+    path = broken_files(tmp_path, saved)[case]
+    for command in ("inspect", "verify"):
+        result = invoke("checkpoint", command, str(path))
+        assert result.exit_code == 2, result.stderr
+        assert result.stderr.count("\n") == 1 and str(path) in result.stderr
+        assert "Traceback" not in result.stderr + result.stdout
+
+
+def test_truncated_file_through_the_real_cli_is_one_line(tmp_path, saved):
+    path = broken_files(tmp_path, saved)["truncated"]
+    result = run_cli("checkpoint", "inspect", str(path), timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.strip() == (
+        f"error: checkpoint {path} is truncated or corrupt and cannot be read (the zip archive "
+        "torch.save writes is cut short: it has no central directory)"
+    )
+
+
+def flip_a_weight_byte(path: Path) -> None:
+    """Change one byte of tensor data: torch still loads the file, the digest catches it."""
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def test_changed_bytes_fail_verify_and_resume_but_not_a_plain_load(tmp_path):
+    path = tmp_path / "big.pt"
+    atomic_save(training_payload() | {"extra": torch.ones(1_000_000)}, path)
+    flip_a_weight_byte(path)
+    safe_load(path)  # torch itself notices nothing
+    result = invoke("checkpoint", "verify", str(path))
+    assert result.exit_code == 1
+    assert "sha256" in result.stderr and "changed after the save" in result.stderr
+    with pytest.raises(DdpcliError, match="is corrupt: its SHA-256"):
+        load_training_checkpoint(path, "cpu")
+
+
+# --- 6. inspect, verify, convert ----------------------------------------------------------
+
+
+def test_inspect_json_reports_what_the_checkpoint_holds(saved):
+    result = invoke("checkpoint", "inspect", str(saved), "--json")
+    assert result.exit_code == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["kind"] == "training" and report["resumable"]
+    assert (report["epochs_done"], report["step"], report["world_size"]) == (1, 8, 2)
+    assert report["config"]["arch"] == "tinycnn" and report["metrics"][0]["val_acc"] == 0.5
+    assert report["model"]["ddp_prefix"] is False
+    assert report["model"]["dtypes"] == {"float32": 17, "int64": 3}
+    assert report["model"]["parameters"] == 6418  # BatchNorm running stats excluded
+    assert report["size_bytes"] == saved.stat().st_size
+    assert report["digest"]["status"] == "ok" and report["devices"] == {"cpu": report["tensors"]}
+
+
+def test_inspect_table_for_people_on_stderr(saved):
+    result = invoke("checkpoint", "inspect", str(saved))
+    assert result.exit_code == 0 and result.stdout == ""
+    for words in ("1 of 3 epochs done", "step 8", "tinycnn", "6,418", "float32", "sha256"):
+        assert words in result.stderr
+
+
+def test_inspect_shows_the_ddp_prefix(tmp_path):
+    path = tmp_path / "ddp.pt"
+    atomic_save(training_payload(prefix="module.")["model"], path)
+    report = json.loads(invoke("checkpoint", "inspect", str(path), "--json").stdout)
+    assert report["kind"] == "state-dict" and report["model"]["ddp_prefix"] is True
+
+
+def test_verify_passes_a_good_checkpoint(saved):
+    result = invoke("checkpoint", "verify", str(saved), "--json")
+    assert result.exit_code == 0, result.stderr
+    checks = {check["check"]: check["status"] for check in json.loads(result.stdout)["checks"]}
+    assert checks == dict.fromkeys(["safe load", "sha256", "finite", "model", "resumable"], "pass")
+
+
+def test_verify_fails_on_a_non_finite_tensor(tmp_path):
+    payload = training_payload()
+    payload["model"]["fc.bias"][3] = float("nan")
+    atomic_save(payload, tmp_path / "nan.pt")
+    result = invoke("checkpoint", "verify", str(tmp_path / "nan.pt"))
+    assert result.exit_code == 1
+    assert "finite: model/fc.bias (1 NaN/inf)" in result.stderr
+
+
+def test_verify_fails_when_the_model_rejects_the_state_dict(tmp_path):
+    payload = training_payload()
+    payload["model"]["fc.weight"] = torch.zeros(5, 32)
+    del payload["model"]["fc.bias"]
+    atomic_save(payload, tmp_path / "wrong.pt")
+    result = invoke("checkpoint", "verify", str(tmp_path / "wrong.pt"))
+    assert result.exit_code == 1
+    assert "missing 1 key(s): fc.bias" in result.stderr
+    assert "fc.weight is [5, 32], the model wants [10, 32]" in result.stderr
+
+
+def test_convert_strips_the_ddp_prefix_for_torchvision(tmp_path):
+    import torchvision
+
+    source, out = tmp_path / "ddp.pt", tmp_path / "resnet18.pt"
+    atomic_save(training_payload("resnet18", 10, prefix="module."), source)
+    result = invoke("checkpoint", "convert", str(source), str(out), "--strip-ddp-prefix")
+    assert result.exit_code == 0, result.stderr
+    assert "torchvision.models.resnet18(num_classes=10)" in result.stderr
+    model = torchvision.models.resnet18(num_classes=10)
+    model.load_state_dict(torch.load(out, weights_only=True))  # plain PyTorch, strict
+    expected = safe_load(source)["model"]["module.fc.weight"]
+    assert torch.equal(model.fc.weight.detach(), expected)
+
+
+def test_convert_without_strip_warns_that_keys_keep_the_prefix(tmp_path):
+    source = tmp_path / "ddp.pt"
+    atomic_save(training_payload(prefix="module."), source)
+    result = invoke("checkpoint", "convert", str(source), str(tmp_path / "out.pt"))
+    assert result.exit_code == 0 and "--strip-ddp-prefix" in result.stderr
+    assert next(iter(torch.load(tmp_path / "out.pt", weights_only=True))).startswith("module.")
+
+
+def test_convert_weights_only_drops_optimizer_and_cannot_resume(saved, tmp_path):
+    out = tmp_path / "weights.pt"
+    result = invoke("checkpoint", "convert", str(saved), str(out), "--weights-only", "--json")
+    assert result.exit_code == 0, result.stderr
+    assert json.loads(result.stdout)["layout"] == "weights-only checkpoint"
+    payload = safe_load(out, check_digest=True)
+    assert not {"optimizer", "scheduler", "rng"} & set(payload)
+    assert payload["epoch"] == 1 and payload["config"]["arch"] == "tinycnn"
+    assert invoke("checkpoint", "verify", str(out)).exit_code == 0
+    with pytest.raises(DdpcliError, match="holds weights only"):
+        load_training_checkpoint(out, "cpu")
+
+
+def test_convert_refuses_to_overwrite_its_input(saved):
+    result = invoke("checkpoint", "convert", str(saved), str(saved))
+    assert result.exit_code == 2 and "OUT must differ" in result.stderr
+
+
+# --- Resume helpers: refuse early and precisely ------------------------------------------
+
+
+def resume_config(tmp_path: Path, resume: str):
+    return SimpleNamespace(resume=resume, out=tmp_path / "run")
+
+
+def test_check_resume_source_refuses_before_any_worker_starts(tmp_path, saved):
+    from ddpcli.checkpoint import check_resume_source
+
+    check_resume_source(resume_config(tmp_path, str(saved)))  # a good file passes
+    check_resume_source(resume_config(tmp_path, "auto"))  # auto without last.pt: fresh start
+    evil, marker = malicious_checkpoint(tmp_path)
+    for source, reason in [(evil, "refused"), (tmp_path / "nope.pt", "does not exist")]:
+        with pytest.raises(DdpcliError, match=reason):
+            check_resume_source(resume_config(tmp_path, str(source)))
+    assert not marker.exists()
+
+
+def test_resume_from_a_folder_means_its_last_checkpoint(tmp_path, saved):
+    from ddpcli.checkpoint import find_resume_path
+
+    last = tmp_path / "run" / "checkpoints" / "last.pt"
+    last.parent.mkdir(parents=True)
+    last.write_bytes(saved.read_bytes())
+    assert find_resume_path(resume_config(tmp_path, str(tmp_path / "run"))) == last
+    assert find_resume_path(resume_config(tmp_path, "auto")) == last
+
+
+def test_resume_names_what_does_not_fit_the_model(saved):
+    from ddpcli.checkpoint import load_model_state
+    from ddpcli.models import build_model
+
+    with pytest.raises(DdpcliError, match=r"fc.weight is \[10, 32\], the model wants \[5, 32\]"):
+        load_model_state(build_model("tinycnn", 5), safe_load(saved)["model"], saved)
+    model = build_model("tinycnn", 10)
+    load_model_state(model, training_payload(prefix="module.")["model"], saved)  # prefix dropped
+
+
+def test_resume_warns_about_settings_that_change_the_result(saved):
+    from ddpcli.checkpoint import resume_warnings
+
+    payload = safe_load(saved)
+    config = payload["config"] | {"lr": 0.5, "out": "elsewhere"}
+    (warning,) = resume_warnings(payload, config, world_size=2)
+    assert "lr 0.1 -> 0.5" in warning and "out" not in warning
+    assert "written by 2 ranks" in resume_warnings(payload, payload["config"], 4)[0]
