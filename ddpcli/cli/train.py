@@ -43,7 +43,9 @@ def train(
     data_path: Annotated[
         str | None,
         typer.Option(
-            help="auto | device (data in device memory) | loader (DataLoader).",
+            help="auto | device (uint8 set in device memory, augmented there) | loader "
+            "(DataLoader workers). auto: device for synthetic/stl10 when the set takes at most "
+            "a quarter of free device memory.",
             rich_help_panel=DATA,
         ),
     ] = None,  # fmt: skip
@@ -97,7 +99,16 @@ def train(
         str | None, typer.Option(help="ddp | dp | balanced-dp.", rich_help_panel=PROCS)
     ] = None,
     gpu0_batch: Annotated[
-        int | None, typer.Option(help="GPU 0's share with balanced-dp.", rich_help_panel=PROCS)
+        int | None,
+        typer.Option(
+            help="balanced-dp: GPU 0's share of each --per-gpu-batch batch (2 of 8 on three "
+            "GPUs: 2+3+3).",
+            rich_help_panel=PROCS,
+        ),
+    ] = None,
+    bucket_cap_mb: Annotated[
+        float | None,
+        typer.Option(help="DDP gradient bucket size in MB (default 25).", rich_help_panel=PROCS),
     ] = None,
     nnodes: Annotated[int | None, typer.Option(rich_help_panel=NODES)] = None,
     node_rank: Annotated[int | None, typer.Option(rich_help_panel=NODES)] = None,
@@ -150,8 +161,10 @@ def train(
         if dry_run:
             show_config(cfg, json_output)
             return
+        from ddpcli.checkpoint import check_resume_source
         from ddpcli.launch import launch_train
 
+        check_resume_source(cfg)  # a bad --resume file: exit 2 now, before any worker starts
         summary = launch_train(cfg, debug=_state["debug"])
         report_training(cfg, summary, json_output)
 
@@ -168,6 +181,19 @@ def show_config(cfg, json_output: bool) -> None:
         typer.echo(f"{key} = {value}")
 
 
+def resource_line(cfg, summary: dict) -> str:
+    """What the run cost: images/s for the strategy that ran, and peak memory per device."""
+    line = f"strategy {cfg.strategy}: {summary.get('images_per_sec', 0):.0f} img/s"
+    if summary.get("peak_memory_mb"):
+        label = "per GPU" if cfg.strategy != "ddp" else "per GPU (by rank)"
+        peaks = ", ".join(f"{i}: {mb:.0f}" for i, mb in enumerate(summary["peak_memory_mb"]))
+        return f"{line} · peak GPU memory allocated {label}, MB: {peaks}"
+    if summary.get("peak_rss_mb"):
+        peaks = ", ".join(f"{i}: {mb:.0f}" for i, mb in enumerate(summary["peak_rss_mb"]))
+        return f"{line} · no GPU; peak host memory (RSS) per rank, MB: {peaks}"
+    return line
+
+
 def report_training(cfg, summary: dict, json_output: bool) -> None:
     from ddpcli.config import read_launcher_env
 
@@ -182,6 +208,7 @@ def report_training(cfg, summary: dict, json_output: bool) -> None:
         return
     if "val_acc" in summary:
         ui.info(f"done: {ui.format_metrics(summary)}")
+        ui.info(resource_line(cfg, summary))
     ui.info(
         f"outputs in {summary.get('out')}: metrics.jsonl, config.json, checkpoints/last.pt, best.pt"
     )
