@@ -62,6 +62,9 @@ class TrainConfig(BaseModel):
     backend: Backend = "auto"
     strategy: Literal["ddp", "dp", "balanced-dp"] = "ddp"
     gpu0_batch: int | None = Field(None, ge=1)
+    bucket_cap_mb: float = Field(
+        25.0, gt=0, description="DDP gradient bucket size (MB): fewer, larger all-reduces"
+    )
     # multi-node
     nnodes: int = Field(1, ge=1)
     node_rank: int = Field(0, ge=0)
@@ -235,14 +238,42 @@ class LauncherEnv(BaseModel):
 
 
 def _slurm_master_addr(nodelist: str) -> str:
-    """First host of a SLURM node list such as `gpu[01-04,07],login1` -> `gpu01`."""
-    first = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist)
+    """First host of a SLURM node list such as `gpu[01-04,07],login1` -> `gpu01`
+    (`node[1-2]-ib` -> `node1-ib`); rank 0 runs there. No list: this machine."""
+    first = re.match(r"([^,\[]+)(?:\[([^\]]+)\]([^,\[]*))?", nodelist.strip())
     if not first:
-        return nodelist
-    prefix, ranges = first.group(1), first.group(2)
+        return "127.0.0.1"
+    prefix, ranges, suffix = first.group(1), first.group(2), first.group(3) or ""
     if not ranges:
         return prefix
-    return prefix + ranges.split(",")[0].split("-")[0]
+    return prefix + ranges.split(",")[0].split("-")[0] + suffix
+
+
+def _slurm_tasks_on_node(env) -> int:
+    """Tasks on this node: SLURM_NTASKS_PER_NODE is set only with --ntasks-per-node;
+    SLURM_STEP_TASKS_PER_NODE / SLURM_TASKS_PER_NODE read like `4(x2),2`, one entry per node."""
+    spec = (
+        env.get("SLURM_NTASKS_PER_NODE")
+        or env.get("SLURM_STEP_TASKS_PER_NODE")
+        or env.get("SLURM_TASKS_PER_NODE", "")
+    )
+    counts: list[int] = []
+    for part in spec.split(","):
+        match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if match:
+            counts += [int(match.group(1))] * int(match.group(2) or 1)
+    if not counts:
+        return 1
+    return counts[min(int(env.get("SLURM_NODEID", 0)), len(counts) - 1)]
+
+
+def _slurm_master_port(env) -> int:
+    """MASTER_PORT if set; else one derived from the job id, so two jobs sharing a node
+    do not both take 29500 (Lightning's rule)."""
+    if env.get("MASTER_PORT"):
+        return int(env["MASTER_PORT"])
+    job_id = env.get("SLURM_JOB_ID", "")
+    return 15000 + int(job_id) % 10000 if job_id.isdigit() else 29500
 
 
 def read_launcher_env(environ: dict[str, str] | None = None) -> LauncherEnv | None:
@@ -263,15 +294,19 @@ def read_launcher_env(environ: dict[str, str] | None = None) -> LauncherEnv | No
             agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
         )
     if "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
-        tasks_per_node = int(env.get("SLURM_NTASKS_PER_NODE", "1").split("(")[0])
+        nodelist = (
+            env.get("SLURM_STEP_NODELIST")
+            or env.get("SLURM_NODELIST")
+            or env.get("SLURM_JOB_NODELIST", "")
+        )
         return LauncherEnv(
             rank=int(env["SLURM_PROCID"]),
             local_rank=int(env.get("SLURM_LOCALID", 0)),
             world_size=int(env["SLURM_NTASKS"]),
-            local_world_size=tasks_per_node,
+            local_world_size=_slurm_tasks_on_node(env),
             node_rank=int(env.get("SLURM_NODEID", 0)),
-            master_addr=env.get("MASTER_ADDR") or _slurm_master_addr(env.get("SLURM_NODELIST", "")),
-            master_port=int(env.get("MASTER_PORT", 0)) or None,
+            master_addr=env.get("MASTER_ADDR") or _slurm_master_addr(nodelist),
+            master_port=_slurm_master_port(env),
             launcher="slurm",
         )
     return None
@@ -337,6 +372,7 @@ def resolve_train_config(cfg: TrainConfig, launcher: LauncherEnv | None) -> Trai
         import torch
 
         values["cpu"] = values["cpu"] or not torch.cuda.is_available()
+    _check_strategy(values, launcher)
     on_gpu = not values["cpu"]
     values["arch"] = values["arch"] or ("resnet18" if on_gpu else "smallcnn")
     models.check_arch(values["arch"])
@@ -344,14 +380,75 @@ def resolve_train_config(cfg: TrainConfig, launcher: LauncherEnv | None) -> Trai
         native = {"synthetic": 32, "stl10": data.STL10_SIDE, "imagefolder": 224 if on_gpu else 64}
         values["image_size"] = native[cfg.dataset]
     values["out"] = values["out"] or default_out_dir()
-    if values["nnodes"] > 1 and values["master_port"] is None and not values["init_method"]:
-        values["master_port"] = 29500
+    _resolve_agent_address(values)
     _check_data(cfg)
     if cfg.ifname:
         check_interface(cfg.ifname)
     if launcher is None or launcher.rank == 0:
         _check_init_file(cfg)
     return TrainConfig(**values)
+
+
+def _check_strategy(values: dict[str, Any], launcher: LauncherEnv | None) -> None:
+    """dp and balanced-dp are one process driving two or more GPUs of one machine."""
+    strategy = values["strategy"]
+    if values["gpu0_batch"] is not None and strategy != "balanced-dp":
+        raise usage_error("invalid --gpu0-batch: it applies to --strategy balanced-dp only")
+    if strategy == "ddp":
+        return
+    if (launcher is not None and launcher.world_size > 1) or values["nnodes"] > 1:
+        raise usage_error(
+            f"invalid --strategy: {strategy} is a single process on one machine; for several "
+            "processes or nodes use --strategy ddp (the default)"
+        )
+    if values["cpu"]:
+        gpus = 0
+    elif launcher is not None:
+        import torch
+
+        gpus = torch.cuda.device_count()
+    else:
+        gpus = len(values["gpus"])
+    if gpus < 2:
+        have = "is on the CPU" if values["cpu"] else f"has {gpus} GPU"
+        raise usage_error(
+            f"invalid --strategy: {strategy} is one process driving 2 or more GPUs, but this "
+            f"run {have}; use --strategy ddp (the default), or list GPUs with --gpus 0,1"
+        )
+    if values["compile"]:
+        raise usage_error(
+            f"invalid --compile: it works with --strategy ddp; {strategy} replicates the "
+            "module on every step"
+        )
+    batch, gpu0_batch = values["per_gpu_batch"], values["gpu0_batch"]
+    if strategy == "balanced-dp" and batch - gpu0_batch < gpus - 1:
+        raise usage_error(
+            f"invalid --gpu0-batch: {gpu0_batch} of a batch of {batch} leaves less than one "
+            f"sample for each of the other {gpus - 1} GPUs; lower it or raise --per-gpu-batch"
+        )
+
+
+def _resolve_agent_address(values: dict[str, Any]) -> None:
+    """Where the node agents meet: --master-addr:--master-port (29500 on several nodes).
+    With tcp://HOST:PORT the workers' process group listens on PORT itself, so the agents
+    default to HOST and PORT+1: two ports, derived the same way on every node."""
+    method = values["init_method"] or ""
+    if not method.startswith("tcp://"):
+        if values["nnodes"] > 1 and values["master_port"] is None:
+            values["master_port"] = 29500
+        return
+    host, port_text = method.removeprefix("tcp://").rsplit(":", 1)
+    port = int(port_text)
+    if values["nnodes"] > 1:
+        if values["master_addr"] == "127.0.0.1":
+            values["master_addr"] = host
+        if values["master_port"] is None:
+            values["master_port"] = port + 1 if port < 65535 else port - 1
+    if values["master_port"] == port:
+        raise usage_error(
+            f"invalid --master-port: {port} is the --init-method port, where the workers' "
+            "process group listens; the node agents need another one (or leave it out)"
+        )
 
 
 def _check_init_file(cfg: TrainConfig) -> None:

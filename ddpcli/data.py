@@ -1,10 +1,13 @@
 """Datasets, sharding and batches.
 
-Small data sets (the synthetic set, STL-10, an image folder after a one-time decode) live
-in memory as uint8 and are augmented in batches on the training device: no DataLoader
-workers, no per-image Python. Large image folders stream through a DataLoader instead.
-Both paths shard training with DistributedSampler (same indices, `set_epoch` each epoch)
-and shard validation so every sample is counted exactly once.
+Two paths give the same batches for the same seed, epoch and indices:
+- the device path: a set that fits (the synthetic set, STL-10, an image folder after a
+  one-time decode) is held in device memory as uint8 and augmented in batches on the
+  device: no DataLoader workers, no per-image Python;
+- the loader path: a DataLoader whose workers persist across epochs crops and flips each
+  image (a large image folder is decoded there too), pinned memory, non-blocking copies.
+Both shard training with DistributedSampler (same indices, `set_epoch` each epoch) and
+shard validation so every sample is counted exactly once.
 """
 
 from __future__ import annotations
@@ -27,6 +30,9 @@ from ddpcli.dist import DistContext, zero_first
 from ddpcli.errors import usage_error
 
 CROP_PADDING = 4
+# Image folders are normalised with ImageNet's statistics on both paths (as torchvision's
+# reference recipes do); the in-memory sets with their own, measured on the training split.
+IMAGENET_MEAN, IMAGENET_STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
 STL10_SIDE = 96
 STL10_IMAGE_BYTES = 3 * STL10_SIDE * STL10_SIDE
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".ppm", ".webp", ".tif", ".tiff"}
@@ -351,27 +357,59 @@ def read_rgb(path: Path) -> torch.Tensor:
         return pil_to_tensor(image.convert("RGB"))
 
 
-class FolderDataset(torch.utils.data.Dataset):
+class KeyedImages(torch.utils.data.Dataset):
+    """The loader path's twin of TensorBatches. Items are keyed by (index, epoch): workers
+    persist across epochs, so the epoch travels with each index instead of living in a
+    copy of the dataset that the workers would never see change."""
+
+    def __init__(self, seed: int, augment: bool):
+        self.seed, self.augment = seed, augment
+
+    def load(self, index: int) -> tuple[torch.Tensor, int]:
+        """uint8 (3, H, W) at the training size, and the label."""
+        raise NotImplementedError
+
+    def __getitem__(self, key: tuple[int, int]) -> tuple[torch.Tensor, int]:
+        index, epoch = key
+        image, label = self.load(index)
+        if self.augment:
+            image = crop_and_flip_one(image, index, self.seed, epoch)
+        return image, label
+
+
+class MemoryDataset(KeyedImages):
+    """An in-memory ImageSet served through the DataLoader (`--data-path loader`)."""
+
+    def __init__(self, image_set: ImageSet, seed: int, augment: bool):
+        super().__init__(seed, augment)
+        self.image_set = image_set
+
+    def __len__(self) -> int:
+        return len(self.image_set)
+
+    def load(self, index: int) -> tuple[torch.Tensor, int]:
+        return self.image_set.images[index], int(self.image_set.labels[index])
+
+
+class FolderDataset(KeyedImages):
     """ImageNet-layout images, decoded and resized per item in DataLoader workers."""
 
-    def __init__(self, split_dir: Path, classes: list[str], image_size: int, augment: bool):
+    def __init__(
+        self, split_dir: Path, classes: list[str], image_size: int, seed: int, augment: bool
+    ):
+        super().__init__(seed, augment)
         self.samples = folder_samples(split_dir, classes)
         self.image_size = image_size
-        self.augment = augment
-        self.seed, self.epoch = 0, 0  # set per epoch; copied into the workers with the sampler
 
     def __len__(self) -> int:
         return len(self.samples)
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+    def load(self, index: int) -> tuple[torch.Tensor, int]:
         from torchvision.transforms.v2 import functional as TF
 
         path, label = self.samples[index]
         image = TF.resize(read_rgb(path), self.image_size, antialias=True)
-        image = TF.center_crop(image, [self.image_size, self.image_size])
-        if self.augment:
-            image = crop_and_flip_one(image, index, self.seed, self.epoch)
-        return image, label
+        return TF.center_crop(image, [self.image_size, self.image_size]), label
 
 
 def crop_and_flip_one(image: torch.Tensor, index: int, seed: int, epoch: int) -> torch.Tensor:
@@ -382,34 +420,48 @@ def crop_and_flip_one(image: torch.Tensor, index: int, seed: int, epoch: int) ->
     return image.flip(2) if flip else image
 
 
-class IndexSampler(torch.utils.data.Sampler):
-    def __init__(self, indices: list[int]):
-        self.indices = indices
+class ShardSampler(torch.utils.data.Sampler):
+    """This rank's indices for one epoch, as (index, epoch) keys. It lives in the main
+    process, so a persistent DataLoader picks up the new shard at each `iter()`."""
+
+    def __init__(self):
+        self.indices: list[int] = []
+        self.epoch = 0
+
+    def set_shard(self, indices: list[int], epoch: int) -> None:
+        self.indices, self.epoch = list(indices), epoch
 
     def __iter__(self):
-        return iter(self.indices)
+        epoch = self.epoch
+        return iter([(index, epoch) for index in self.indices])
 
     def __len__(self) -> int:
         return len(self.indices)
 
 
 class LoaderBatches:
-    """DataLoader with workers, pinned memory and non-blocking copies; normalises on device."""
+    """One DataLoader for the whole run: workers start once and persist across epochs,
+    pinned memory, prefetching and non-blocking copies; normalisation on the device."""
 
-    def __init__(self, dataset, indices, batch_size, device, mean, std, workers, channels_last):
+    def __init__(self, dataset, batch_size, device, mean, std, workers, channels_last):
+        self.sampler = ShardSampler()
         self.loader = torch.utils.data.DataLoader(
             dataset,
             batch_size=batch_size,
-            sampler=IndexSampler(indices),
+            sampler=self.sampler,
             num_workers=workers,
             pin_memory=device.type == "cuda",
-            persistent_workers=False,
+            persistent_workers=workers > 0,
             prefetch_factor=4 if workers else None,
         )
         self.device = device
         self.mean = torch.tensor(mean, device=device).view(1, 3, 1, 1)
         self.std = torch.tensor(std, device=device).view(1, 3, 1, 1)
         self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
+
+    def for_epoch(self, indices: list[int], epoch: int) -> LoaderBatches:
+        self.sampler.set_shard(indices, epoch)
+        return self
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -461,25 +513,50 @@ class DataPipeline:
         self.cfg = cfg
         self.ctx = ctx
         self.channels_last = ctx.device.type == "cuda"
-        self.in_memory = splits.train is not None
-        if self.in_memory:
-            self.mean, self.std = channel_stats(splits.train.images)
-            storage = ctx.device if use_device_path else torch.device("cpu")
-            # Keep the uint8 set where it will be augmented; batches then never cross PCIe.
-            self.train_set = ImageSet(splits.train.images.to(storage), splits.train.labels)
-            self.val_set = ImageSet(splits.val.images.to(storage), splits.val.labels)
-            self.train_size, self.val_size = len(splits.train), len(splits.val)
+        in_memory = splits.train is not None
+        self.on_device = use_device_path and in_memory
+        if cfg.dataset == "imagefolder":
+            self.mean, self.std = IMAGENET_MEAN, IMAGENET_STD
         else:
-            self.mean, self.std = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
-            size = cfg.image_size
-            self.train_set = FolderDataset(splits.train_dir, splits.class_names, size, True)
-            self.val_set = FolderDataset(splits.val_dir, splits.class_names, size, False)
-            self.train_size, self.val_size = len(self.train_set), len(self.val_set)
+            self.mean, self.std = channel_stats(splits.train.images)
         self.workers = (
             cfg.workers if cfg.workers is not None else default_workers(ctx.local_world_size)
         )
         trace = sample_trace_path()
         self.trace_file = trace.with_name(f"{trace.name}.rank{ctx.rank}") if trace else None
+        if self.on_device:
+            self._hold_on_device(splits)
+        else:
+            self._start_loaders(splits, in_memory)
+
+    def _hold_on_device(self, splits: Splits) -> None:
+        # The uint8 set lives where it is augmented; batches never cross PCIe.
+        device = self.ctx.device
+        self.train_set = ImageSet(splits.train.images.to(device), splits.train.labels)
+        self.val_set = ImageSet(splits.val.images.to(device), splits.val.labels)
+        self.train_size, self.val_size = len(splits.train), len(splits.val)
+
+    def _start_loaders(self, splits: Splits, in_memory: bool) -> None:
+        seed = self.cfg.seed
+        if in_memory:
+            train = MemoryDataset(splits.train, seed, augment=True)
+            val = MemoryDataset(splits.val, seed, augment=False)
+        else:
+            size, classes = self.cfg.image_size, splits.class_names
+            train = FolderDataset(splits.train_dir, classes, size, seed, augment=True)
+            val = FolderDataset(splits.val_dir, classes, size, seed, augment=False)
+        self.train_size, self.val_size = len(train), len(val)
+        self.train_loader, self.val_loader = self._loader(train), self._loader(val)
+
+    def _loader(self, dataset) -> LoaderBatches:
+        return LoaderBatches(
+            dataset, self.cfg.per_gpu_batch, self.ctx.device, self.mean, self.std, self.workers,
+            self.channels_last,
+        )  # fmt: skip
+
+    @property
+    def path_name(self) -> str:
+        return "device" if self.on_device else f"loader ({self.workers} workers)"
 
     def steps_per_epoch(self) -> int:
         per_rank = math.ceil(self.train_size / self.ctx.world_size)
@@ -489,26 +566,24 @@ class DataPipeline:
         """The epoch's order depends only on seed and epoch; a resume skips by position."""
         indices = train_shard(self.train_size, self.ctx, self.cfg.seed, epoch)
         indices = indices[skip_batches * self.cfg.per_gpu_batch :]
-        batches = self._batches(self.train_set, indices, augment=True, epoch=epoch)
+        if self.on_device:
+            batches = self._device_batches(self.train_set, indices, augment=True, epoch=epoch)
+        else:
+            batches = self.train_loader.for_epoch(indices, epoch)
         if self.trace_file:
             return TracedBatches(batches, indices, self.cfg.per_gpu_batch, self.trace_file, epoch)
         return batches
 
     def val_batches(self):
         indices = val_shard(self.val_size, self.ctx)
-        return self._batches(self.val_set, indices, augment=False, epoch=0)
+        if self.on_device:
+            return self._device_batches(self.val_set, indices, augment=False, epoch=0)
+        return self.val_loader.for_epoch(indices, 0)
 
-    def _batches(self, dataset, indices, augment: bool, epoch: int):
-        batch, seed = self.cfg.per_gpu_batch, self.cfg.seed
-        if self.in_memory:
-            return TensorBatches(
-                dataset, indices, batch, self.ctx.device, self.mean, self.std, augment, seed,
-                epoch, self.channels_last,
-            )  # fmt: skip
-        dataset.seed, dataset.epoch = seed, epoch
-        return LoaderBatches(
-            dataset, indices, batch, self.ctx.device, self.mean, self.std, self.workers,
-            self.channels_last,
+    def _device_batches(self, image_set: ImageSet, indices, augment: bool, epoch: int):
+        return TensorBatches(
+            image_set, indices, self.cfg.per_gpu_batch, self.ctx.device, self.mean, self.std,
+            augment, self.cfg.seed, epoch, self.channels_last,
         )  # fmt: skip
 
 

@@ -72,6 +72,8 @@ def init_distributed(
 ) -> DistContext:
     device = choose_device(env.local_rank, want_gpu)
     backend = choose_backend(backend, device)
+    if init_method == "env://":
+        init_method = None  # the default spelled out: keep its per-restart store below
     if init_method is None and env.launcher == "slurm":
         # srun sets no MASTER_ADDR/PORT; the address comes from SLURM_NODELIST.
         init_method = f"tcp://{env.master_addr}:{env.master_port or 29500}"
@@ -80,14 +82,9 @@ def init_distributed(
             # Fail a stuck collective instead of hanging forever (see docs/multi-node.md).
             os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
         try:
-            rendezvous = (
-                {"store": attempt_store(env, timeout_s)}
-                if init_method is None and env.agent_store
-                else {"init_method": init_method or "env://"}
-            )
             dist.init_process_group(
                 backend=backend,
-                **rendezvous,
+                **rendezvous_args(env, init_method, timeout_s),
                 rank=env.rank,
                 world_size=env.world_size,
                 timeout=datetime.timedelta(seconds=timeout_s),
@@ -108,6 +105,19 @@ def init_distributed(
         device=device,
         backend=backend,
     )
+
+
+def rendezvous_args(env: LauncherEnv, init_method: str | None, timeout_s: float) -> dict:
+    """Where the ranks meet. A store that outlives the workers (the agent's, a file:// file)
+    still holds the dead ranks' addresses after a restart (--max-restarts): restarted Gloo
+    ranks read them and fail to connect. Each attempt then gets its own key prefix."""
+    if init_method is None and env.agent_store:
+        return {"store": attempt_store(env, timeout_s)}
+    if init_method and init_method.startswith("file://") and env.restart_count > 0:
+        store = dist.FileStore(init_method.removeprefix("file://"), env.world_size)
+        store.set_timeout(datetime.timedelta(seconds=timeout_s))
+        return {"store": dist.PrefixStore(f"ddpcli/attempt-{env.restart_count}", store)}
+    return {"init_method": init_method or "env://"}
 
 
 def attempt_store(env: LauncherEnv, timeout_s: float) -> dist.Store:

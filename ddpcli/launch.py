@@ -30,6 +30,8 @@ def launch_train(cfg: TrainConfig, debug: bool = False) -> dict:
 
         if cfg.gpus and launcher.rank == 0:
             ui.warn("--gpus is ignored under a launcher: each rank uses the GPU of its LOCAL_RANK")
+        if cfg.ifname:  # this process is the worker: set them before its group forms
+            os.environ["GLOO_SOCKET_IFNAME"] = os.environ["NCCL_SOCKET_IFNAME"] = cfg.ifname
         return run_worker(cfg, launcher)
     return _launch_elastic(cfg, debug)
 
@@ -111,11 +113,12 @@ def run_workers(job: WorkerJob, debug: bool = False) -> None:
     if not debug:
         logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     os.environ.update(job.env)  # inherited by the workers, before any of them starts CUDA
+    os.environ["DDPCLI_AGENT_PID"] = str(os.getpid())  # workers die with us (worker.py)
     store = roll_call(job) if job.nnodes > 1 else None  # noqa: F841 - keeps the server alive
     try:
         elastic_launch(launch_config(job), sys.executable)("-m", job.module, *job.args)
     except ChildFailedError as failure:
-        raise describe_failure(failure) from None
+        raise describe_failure(failure, job.log_dir) from None
     except Exception as error:  # rendezvous errors: the world never formed
         name = type(error).__name__
         if "Rendezvous" in name or "Timeout" in name:
@@ -123,6 +126,14 @@ def run_workers(job: WorkerJob, debug: bool = False) -> None:
                 f"the job never formed: {name} after {job.timeout_s:g}s waiting for "
                 f"{job.nnodes} node(s) at {job.master_addr}:{job.master_port}; start the same "
                 "command on every node (only --node-rank differs) or raise --timeout"
+            ) from error
+        if name in ("DistNetworkError", "DistStoreError") and job.nnodes > 1:
+            # Node 0's agent hosts the store: it stopped (a node missing at its roll call,
+            # killed) while this node's agent was still forming the job with it.
+            raise runtime_error(
+                f"node {job.node_rank}: lost the master at {job.master_addr}:{job.master_port} "
+                f"while the nodes were forming the job ({first_line(error)}); node 0 most "
+                "likely stopped: see its output"
             ) from error
         raise
 
@@ -135,7 +146,6 @@ def roll_call(job: WorkerJob):
     node that never comes is named after --timeout instead of everyone waiting forever.
     Node 0 hosts the store (multi-tenant: the elastic agent's rendezvous reuses it)."""
     import datetime
-    import time
 
     from torch.distributed import TCPStore
 
@@ -160,23 +170,64 @@ def roll_call(job: WorkerJob):
             "open (ddpcli check-env --master-addr ... --master-port ...)"
         ) from None
     store.set(f"{ROLL_PREFIX}{job.node_rank}", socket.gethostname())
-    if job.node_rank != 0:
-        return store
-    deadline = time.monotonic() + job.timeout_s
+    try:
+        wait_for_roll(store, job, address)
+    except RuntimeError as error:  # DistNetworkError: node 0 went away without a word
+        raise runtime_error(
+            f"node {job.node_rank}: lost the master at {address} before all nodes joined "
+            f"({first_line(error)}); node 0 most likely stopped: see its output"
+        ) from None
+    return store
+
+
+ROLL_VERDICT = ROLL_PREFIX + "verdict"
+VERDICT_ACK_S = 3.0  # how long node 0 waits for the others to read its verdict
+
+
+def wait_for_roll(store, job: WorkerJob, address: str) -> None:
+    """Every node waits until all have reported. Node 0 gives up after --timeout and posts
+    why before it closes the store, so the nodes that came say the same, instead of
+    failing on a lost connection (which torch reports with a C++ stack trace)."""
+    import time
+
+    # The others joined after node 0 started waiting: its verdict comes before their deadline.
+    deadline = time.monotonic() + job.timeout_s + (0 if job.node_rank == 0 else 30)
     while True:
+        if job.node_rank != 0 and store.check([ROLL_VERDICT]):
+            store.set(f"{ROLL_PREFIX}ack/{job.node_rank}", "read")
+            verdict = store.get(ROLL_VERDICT).decode()
+            raise runtime_error(f"node {job.node_rank}: node 0 gave up: {verdict}")
         present = [r for r in range(job.nnodes) if store.check([f"{ROLL_PREFIX}{r}"])]
         if len(present) == job.nnodes:
-            return store
+            return
         if time.monotonic() > deadline:
-            missing = [r for r in range(job.nnodes) if r not in present]
-            raise runtime_error(
-                f"only {len(present)} of {job.nnodes} nodes joined at {address} within "
-                f"{job.timeout_s:g}s ({len(present) * job.nproc_per_node} of "
-                f"{job.nnodes * job.nproc_per_node} ranks); missing node rank(s): "
-                f"{', '.join(map(str, missing))}. Start the same command there with "
-                "--node-rank set, or raise --timeout"
-            )
+            verdict = missing_nodes(job, present, address)
+            if job.node_rank == 0:
+                post_verdict(store, verdict, present)
+            raise runtime_error(verdict)
         time.sleep(0.2)
+
+
+def missing_nodes(job: WorkerJob, present: list[int], address: str) -> str:
+    missing = [r for r in range(job.nnodes) if r not in present]
+    return (
+        f"only {len(present)} of {job.nnodes} nodes joined at {address} within "
+        f"{job.timeout_s:g}s ({len(present) * job.nproc_per_node} of "
+        f"{job.nnodes * job.nproc_per_node} ranks); missing node rank(s): "
+        f"{', '.join(map(str, missing))}. Start the same command there with "
+        "--node-rank set, or raise --timeout"
+    )
+
+
+def post_verdict(store, verdict: str, present: list[int]) -> None:
+    import time
+
+    store.set(ROLL_VERDICT, verdict)
+    waiting = [f"{ROLL_PREFIX}ack/{r}" for r in present if r != 0]
+    deadline = time.monotonic() + VERDICT_ACK_S
+    while waiting and time.monotonic() < deadline:
+        time.sleep(0.1)
+        waiting = [key for key in waiting if not store.check([key])]
 
 
 def wait_for_port(job: WorkerJob) -> None:
@@ -207,10 +258,13 @@ def first_line(error: BaseException) -> str:
 def _launch_elastic(cfg: TrainConfig, debug: bool) -> dict:
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    request = out / ".launch-config.json"
+    # One request per node: on a shared --out (needed to resume on several nodes) the
+    # nodes must not overwrite, or delete, each other's.
+    request = out / f".launch-config.node{cfg.node_rank}.json"
     request.write_text(cfg.model_dump_json())
-    summary_file = out / "summary.json"
-    summary_file.unlink(missing_ok=True)
+    summary_file = out / "summary.json"  # rank 0 writes it, and rank 0 runs on node 0
+    if cfg.node_rank == 0:
+        summary_file.unlink(missing_ok=True)
     job = WorkerJob(
         module=WORKER_MODULE,
         args=[str(request)],
@@ -221,31 +275,88 @@ def _launch_elastic(cfg: TrainConfig, debug: bool) -> dict:
         master_port=cfg.master_port,
         timeout_s=cfg.timeout,
         max_restarts=cfg.max_restarts,
-        env=worker_environment(cfg),
+        env={**worker_environment(cfg), **({"DDPCLI_DEBUG": "1"} if debug else {})},
         log_dir=str(cfg.log_dir) if cfg.log_dir else None,
     )
     try:
         run_workers(job, debug)
     finally:
         request.unlink(missing_ok=True)
-    if summary_file.exists():
+    if job.log_dir:
+        ui.info(f"per-rank logs: {newest_run_log_dir(job.log_dir)}/attempt_N/<local rank>/")
+    if cfg.node_rank == 0 and summary_file.exists():
         return json.loads(summary_file.read_text())
-    return {"out": str(out), "node_rank": cfg.node_rank}  # rank 0 runs on another node
+    return {"out": str(out), "node_rank": cfg.node_rank}
 
 
-def describe_failure(failure) -> DdpcliError:
+def describe_failure(failure, log_dir: str | None = None) -> DdpcliError:
     """Name the first rank that failed, how it ended, and the last lines it printed."""
-    rank, first = failure.get_first_failure()
+    rank, first = first_cause(failure)
     how = exit_in_words(first.exitcode)
-    lines = [f"rank {rank} on {socket.gethostname()} failed first: {how}"]
+    consequence = knock_on_effect(first)
+    verb = "stopped" if consequence else "failed"
+    lines = [f"rank {rank} on {socket.gethostname()} {verb} first: {how}"]
+    others = sorted(r for r in failure.failures if r != rank)
+    if others:
+        ranks = f"rank {others[0]}" if len(others) == 1 else f"ranks {', '.join(map(str, others))}"
+        lines[0] += f" (then {ranks} stopped)"
+    if consequence:
+        lines.append(f"  {consequence}")
     detail = error_tail(first)
     if detail:
         lines.append(detail)
-    others = sorted(r for r in failure.failures if r != rank)
-    if others:
-        lines[0] += f" (then ranks {', '.join(map(str, others))} stopped)"
+    if log_dir:
+        lines.append(f"  its output: {rank_log(log_dir, first.local_rank)}")
     code = USAGE if first.exitcode == USAGE else 1
     return usage_error("\n".join(lines)) if code == USAGE else runtime_error("\n".join(lines))
+
+
+# What a rank prints when another one died or hung: its failure is a consequence.
+PEER_LOST = ("closed by peer", "reset by peer", "Broken pipe", "remote process exited")
+TIMED_OUT = ("Timed out", "timed out", "Timeout", "timeout")
+
+
+def first_cause(failure):
+    """The rank whose failure started it all. The agent orders failures by a timestamp in
+    whole seconds, so a rank that only lost its peer, or that the agent stopped (SIGTERM),
+    can tie with the rank that really died and be named first."""
+
+    def order(item):
+        return bool(knock_on_effect(item[1])), item[1].timestamp
+
+    return sorted(failure.failures.items(), key=order)[0]
+
+
+def knock_on_effect(failure) -> str:
+    """Why this failure is probably not the cause, or "" if it may be."""
+    if failure.exitcode == -signal.SIGTERM:
+        return "it was stopped because another rank failed"
+    lines = failure_text(failure).strip().splitlines()
+    text = lines[-1] if lines else ""  # the exception itself, not the code in the traceback
+    if any(marker in text for marker in PEER_LOST):
+        return (
+            "it lost its connection to another rank, which most likely died first "
+            "(on another node: see that node's output)"
+        )
+    if any(marker in text for marker in TIMED_OUT):
+        return (
+            "a collective did not finish within --timeout: another rank stopped responding "
+            "(a node down or hung, or the network between them)"
+        )
+    return ""
+
+
+def newest_run_log_dir(log_dir: str) -> Path:
+    """The agent writes LOG_DIR/<run id>_<random>/attempt_N/<local rank>/{stdout,stderr}.log."""
+    root = Path(log_dir)
+    runs = [path for path in root.iterdir() if path.is_dir()] if root.is_dir() else []
+    return max(runs, key=lambda path: path.stat().st_mtime) if runs else Path(log_dir)
+
+
+def rank_log(log_dir: str, local_rank: int) -> Path:
+    attempts = newest_run_log_dir(log_dir).glob("attempt_*")
+    base = max(attempts, key=lambda path: path.stat().st_mtime, default=Path(log_dir))
+    return base / str(local_rank) / "stderr.log"
 
 
 def exit_in_words(exitcode: int) -> str:
@@ -259,15 +370,22 @@ def exit_in_words(exitcode: int) -> str:
     return f"exit code {exitcode}"
 
 
-def error_tail(failure, lines: int = 3) -> str:
-    """The end of the worker's recorded traceback, if it left one."""
+def failure_text(failure) -> str:
+    """The worker's recorded traceback or message, if it left one."""
     message = failure.message if isinstance(failure.message, str) else ""
     if isinstance(failure.error_file_data, dict):
         message = failure.error_file_data.get("message", {})
         if isinstance(message, dict):
             extra = message.get("extraInfo", {}).get("py_callstack", "")
             message = extra or message.get("message", "")
-    tail = [line for line in str(message).strip().splitlines() if line.strip()][-lines:]
+    return str(message)
+
+
+def error_tail(failure, lines: int = 3) -> str:
+    """The end of the worker's recorded traceback, if it left one."""
+    # Python 3.11 underlines the failing expression with ^ and ~: no information here.
+    text = [line for line in failure_text(failure).strip().splitlines() if line.strip(" ^~")]
+    tail = text[-lines:]
     if not tail or tail[-1] == "<NONE>" or "To enable traceback" in tail[-1]:
         return ""
     if tail[-1].startswith("Signal "):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import resource
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +34,7 @@ from ddpcli.config import TrainConfig
 from ddpcli.data import DataPipeline
 from ddpcli.dist import DistContext, all_reduce_max, all_reduce_sum, barrier
 from ddpcli.models import build_model
+from ddpcli.strategy import batch_split, model_devices, unwrap, wrap_model
 
 TIMING_WARMUP_STEPS = 3  # the first steps pay for allocation and autotuning; not timed
 
@@ -52,22 +54,12 @@ class TrainState:
 # --- Building the parts --------------------------------------------------------------------
 
 
-def build_ddp_model(cfg: TrainConfig, ctx: DistContext, num_classes: int) -> nn.Module:
+def build_parallel_model(cfg: TrainConfig, ctx: DistContext, num_classes: int) -> nn.Module:
     torch.manual_seed(cfg.seed)  # identical initial weights everywhere (DDP also broadcasts)
     model = build_model(cfg.arch, num_classes).to(ctx.device)
     if ctx.device.type == "cuda":
         model = model.to(memory_format=torch.channels_last)
-    if ctx.distributed:
-        model = DistributedDataParallel(
-            model,
-            device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
-            gradient_as_bucket_view=True,
-        )
-    return model
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    return model.module if isinstance(model, DistributedDataParallel) else model
+    return wrap_model(model, cfg, ctx)
 
 
 def build_optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
@@ -79,7 +71,12 @@ def build_optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer
         {"params": decay, "weight_decay": cfg.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-    return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=True, foreach=True)
+    # One fused kernel for the whole update on GPUs; on the CPU foreach is the fast one.
+    on_gpu = next(model.parameters()).is_cuda
+    implementation = {"fused": True} if on_gpu else {"foreach": True}
+    return torch.optim.SGD(
+        groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=True, **implementation
+    )
 
 
 def warmup_cosine(total_steps: int, warmup_steps: int):
@@ -105,7 +102,9 @@ def autocast_context(cfg: TrainConfig, ctx: DistContext):
 class Trainer:
     def __init__(self, cfg: TrainConfig, ctx: DistContext, data: DataPipeline):
         self.cfg, self.ctx, self.data = cfg, ctx, data
-        self.model = build_ddp_model(cfg, ctx, data.splits.num_classes)
+        if ctx.device.type == "cuda":
+            torch.backends.cudnn.benchmark = True  # fixed shapes: pick conv algorithms once
+        self.model = build_parallel_model(cfg, ctx, data.splits.num_classes)
         self.forward_model = torch.compile(self.model) if cfg.compile else self.model
         self.optimizer = build_optimizer(cfg, self.model)
         micro_steps = data.steps_per_epoch()
@@ -119,6 +118,7 @@ class Trainer:
         self.scaler = torch.amp.GradScaler(ctx.device.type, enabled=cfg.precision == "fp16")
         self.loss_fn = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
         self.state = TrainState()
+        self.first_step_pending = True
         self.writer = CheckpointWriter(cfg, ctx)
         self.out = Path(cfg.out)
 
@@ -203,6 +203,22 @@ class Trainer:
             f"{self.data.val_size} val images · {self.steps_per_epoch} steps per epoch · "
             f"precision {cfg.precision} · out {cfg.out}"
         )
+        ui.info(
+            f"strategy {cfg.strategy} · data path {self.data.path_name} · "
+            f"compile {'on' if cfg.compile else 'off'}{self.split_note()}"
+        )
+
+    def split_note(self) -> str:
+        cfg = self.cfg
+        if cfg.strategy == "ddp":
+            return ""
+        gpus = len(model_devices(self.model, self.ctx))
+        shares = batch_split(cfg.strategy, cfg.per_gpu_batch, gpus, cfg.gpu0_batch)
+        note = f" · each batch of {cfg.per_gpu_batch} split {'+'.join(map(str, shares))}"
+        if cfg.accumulate > 1:
+            per_step = "+".join(str(share * cfg.accumulate) for share in shares)
+            note += f" ({per_step} per optimizer step)"
+        return note + f" over {gpus} GPUs"
 
     def run_epoch(self, progress: ui.TrainProgress) -> dict:
         cfg, ctx, state = self.cfg, self.ctx, self.state
@@ -214,6 +230,7 @@ class Trainer:
         batches = self.data.train_batches(state.epoch, skip_batches=state.batch_in_epoch)
         micro_total = self.data.steps_per_epoch()
         timer = StepTimer(ctx.device, micro_total - state.batch_in_epoch)
+        first_step_at = None
         progress.start_epoch(state.epoch, state.batch_in_epoch)
         for images, labels in batches:
             state.batch_in_epoch += 1
@@ -223,6 +240,8 @@ class Trainer:
             timer.tick(len(labels))
             if steps_now:
                 state.step += 1
+                if self.first_step_pending:  # one device sync per run, for "time to first step"
+                    first_step_at, self.first_step_pending = synced_time(ctx.device), False
                 self.after_optimizer_step(sums, progress, timer, last_micro)
                 if self.reached_max_steps():
                     break
@@ -241,7 +260,24 @@ class Trainer:
             "lr": self.scheduler.get_last_lr()[0],
             "global_batch": cfg.global_batch,
             "world_size": ctx.world_size,
+            **self.memory_metrics(),
+            **({"first_step_at": first_step_at} if first_step_at else {}),
         }
+
+    def memory_metrics(self) -> dict:
+        """Peak memory so far: per GPU on CUDA (by rank with DDP, by GPU with dp), and the
+        host's peak resident set per rank (what a CPU run uses)."""
+        rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+        metrics = {"peak_rss_mb": per_rank(rss_mb, self.ctx)}
+        if self.ctx.device.type == "cuda":
+            devices = model_devices(self.model, self.ctx)
+            peaks = [torch.cuda.max_memory_allocated(device) / 2**20 for device in devices]
+            metrics["peak_memory_mb"] = (
+                [round(peak, 1) for peak in peaks]
+                if len(peaks) > 1
+                else per_rank(peaks[0], self.ctx)
+            )
+        return metrics
 
     def train_micro_step(self, images, labels, sums, steps_now: bool) -> None:
         # Gradients are all-reduced only on the micro-step that steps the optimizer.
@@ -308,6 +344,20 @@ class Trainer:
             ui.epoch_line(metrics, self.cfg.epochs)
         self.writer.save(self.checkpoint_payload(), f"epoch-{state.epoch:04d}.pt", is_best=is_best)
         barrier(self.ctx)
+
+
+def per_rank(value: float, ctx: DistContext) -> list[float]:
+    """One value from every rank, in rank order (one small all_reduce)."""
+    values = torch.zeros(ctx.world_size, device=ctx.device, dtype=torch.float64)
+    values[ctx.rank] = value
+    return [round(v, 1) for v in all_reduce_sum(values, ctx).tolist()]
+
+
+def synced_time(device: torch.device) -> float:
+    """Wall-clock (Unix) time once the device has finished the work queued so far."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.time()
 
 
 class StepTimer:

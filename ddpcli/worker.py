@@ -14,12 +14,18 @@ import sys
 from pathlib import Path
 
 import torch
-from torch.distributed.elastic.multiprocessing.errors import record
+from torch.distributed.elastic.multiprocessing.errors import get_error_handler, record
 
 from ddpcli import ui
-from ddpcli.config import LauncherEnv, TrainConfig, cpu_count, read_launcher_env
+from ddpcli.config import (
+    LauncherEnv,
+    TrainConfig,
+    cpu_count,
+    debug_requested,
+    read_launcher_env,
+)
 from ddpcli.data import DataPipeline, load_splits
-from ddpcli.dist import DistContext, init_distributed, shutdown
+from ddpcli.dist import DistContext, first_line, init_distributed, shutdown
 from ddpcli.errors import DdpcliError
 from ddpcli.train import Trainer
 
@@ -35,9 +41,14 @@ def finalize_for_device(cfg: TrainConfig, ctx: DistContext) -> TrainConfig:
     return cfg.model_copy(update=updates)
 
 
+DEVICE_DATA_FRACTION = 0.25  # of free device memory the uint8 set may take under `auto`
+
+
 def choose_data_path(cfg: TrainConfig, ctx: DistContext) -> bool:
-    """True: keep the data set in device memory. `auto` does so for the in-memory sets
-    when they take at most a quarter of the device's free memory."""
+    """True: keep the data set in device memory. `auto` does so for the synthetic set and
+    STL-10 when they take at most DEVICE_DATA_FRACTION of the device's free memory; image
+    folders stream through the loader unless `--data-path device` asks for the one-time
+    decode (their size is unknown until decoded)."""
     if cfg.data_path != "auto":
         return cfg.data_path == "device"
     if cfg.dataset == "imagefolder":
@@ -45,8 +56,8 @@ def choose_data_path(cfg: TrainConfig, ctx: DistContext) -> bool:
     if ctx.device.type != "cuda":
         return True
     free, _ = torch.cuda.mem_get_info(ctx.device)
-    images = cfg.synthetic_size * 1.25 if cfg.dataset == "synthetic" else 13_000
-    return images * 3 * cfg.image_size**2 < 0.25 * free
+    images = cfg.synthetic_size * 1.25 if cfg.dataset == "synthetic" else 13_000  # train + val
+    return images * 3 * cfg.image_size**2 < DEVICE_DATA_FRACTION * free
 
 
 def run_worker(cfg: TrainConfig, env: LauncherEnv) -> dict:
@@ -94,8 +105,32 @@ def remove_init_file(init_method: str | None) -> None:
         Path(init_method.removeprefix("file://")).unlink(missing_ok=True)
 
 
+def die_with_agent() -> None:
+    """The elastic agent starts each worker in its own session, so when the agent itself is
+    killed (SIGKILL, the OOM killer, a scheduler) nothing stops its workers, and they train
+    on as orphans. Ask the kernel to kill this worker when its parent dies."""
+    agent = os.environ.get("DDPCLI_AGENT_PID")
+    if not agent or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if os.getppid() != int(agent):  # the agent died before the line above
+        os._exit(1)
+
+
+def exit_with_error(message: str, exit_code: int) -> None:
+    # The agent now stops the other ranks with SIGTERM, maybe this one too: no stack dump.
+    faulthandler.unregister(signal.SIGTERM)
+    ui.error(message)
+    sys.stderr.flush()
+    os._exit(exit_code)  # skip atexit hooks that could wait on dead peers
+
+
 @record
 def main(argv: list[str]) -> None:
+    die_with_agent()
     # When the agent stops a stuck job (SIGTERM), say where this rank was waiting first.
     faulthandler.register(signal.SIGTERM, chain=True)
     cfg = TrainConfig.model_validate_json(Path(argv[1]).read_text())
@@ -104,9 +139,13 @@ def main(argv: list[str]) -> None:
         run_worker(cfg, env)
     except DdpcliError as error:
         prefix = "" if error.message.startswith("rank ") else f"rank {env.rank}: "
-        ui.error(prefix + error.message)
-        sys.stderr.flush()
-        os._exit(error.exit_code)  # skip atexit hooks that could wait on dead peers
+        exit_with_error(prefix + error.message, error.exit_code)
+    except Exception as error:
+        if debug_requested(False):
+            raise  # @record prints the traceback and hands it to the agent
+        # One line here; the traceback goes to the agent's error file for its report.
+        get_error_handler().record_exception(error)
+        exit_with_error(f"rank {env.rank}: {type(error).__name__}: {first_line(error)}", 1)
 
 
 if __name__ == "__main__":

@@ -103,3 +103,18 @@ def test_python_dash_m_works_like_the_script():
     assert result.returncode == module.returncode == 0
     drop_out = lambda text: {k: v for k, v in json.loads(text).items() if k != "out"}  # noqa: E731
     assert drop_out(result.stdout) == drop_out(module.stdout)
+
+
+def test_legacy_local_rank_argument_moves_to_the_environment():
+    from ddpcli.cli import adopt_legacy_local_rank
+
+    environ = {}
+    argv = ["ddpcli", "--local_rank", "3", "train", "--epochs", "1"]
+    assert adopt_legacy_local_rank(argv, environ) == ["ddpcli", "train", "--epochs", "1"]
+    assert environ == {"LOCAL_RANK": "3"}
+    environ = {"LOCAL_RANK": "1"}
+    assert adopt_legacy_local_rank(["ddpcli", "--local-rank=1", "train"], environ) == [
+        "ddpcli",
+        "train",
+    ]
+    assert environ == {"LOCAL_RANK": "1"}

@@ -7,6 +7,7 @@ Nothing here imports torch at module level: `ddpcli --help` answers at once.
 
 from __future__ import annotations
 
+import os
 import sys
 import traceback
 from typing import Annotated
@@ -61,15 +62,34 @@ def run_command(action, json_output: bool = False) -> None:
         raise typer.Exit(1) from None
 
 
+LEGACY_LOCAL_RANK = ("--local-rank", "--local_rank")
+
+
+def adopt_legacy_local_rank(argv: list[str], environ) -> list[str]:
+    """`python -m torch.distributed.launch` passes `--local-rank=N` (older: `--local_rank N`)
+    before our arguments. Recent launchers also set LOCAL_RANK; older ones do not, so the
+    value moves there, where the launcher environment is read, and leaves argv."""
+    kept, index = [], 0
+    while index < len(argv):
+        arg = argv[index]
+        name, _, value = arg.partition("=")
+        if name in LEGACY_LOCAL_RANK:
+            if not value and index + 1 < len(argv):
+                index, value = index + 1, argv[index + 1]
+            environ.setdefault("LOCAL_RANK", value)
+        else:
+            kept.append(arg)
+        index += 1
+    return kept
+
+
+def main() -> None:
+    sys.argv = adopt_legacy_local_rank(sys.argv, os.environ)
+    app()
+
+
 # Each module registers its command(s) on `app` when imported.
 from ddpcli.cli import barrier as _barrier  # noqa: E402, F401
 from ddpcli.cli import checkenv as _checkenv  # noqa: E402, F401
 from ddpcli.cli import checkpoint as _checkpoint  # noqa: E402, F401
 from ddpcli.cli import train as _train  # noqa: E402, F401
-
-
-def main() -> None:
-    # The legacy launcher passes --local-rank=N (or --local_rank=N) before our arguments; the
-    # same value is in LOCAL_RANK, so it is dropped here.
-    sys.argv = [arg for arg in sys.argv if not arg.startswith(("--local-rank", "--local_rank"))]
-    app()

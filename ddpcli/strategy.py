@@ -1,0 +1,106 @@
+"""How the model is wrapped across devices: the strategy.
+
+- `ddp` (the default): one process per device, DistributedDataParallel; each rank holds a
+  full replica and gradients are all-reduced in buckets while backward still runs.
+- `dp`: one process drives every listed GPU with nn.DataParallel. Each step it copies the
+  weights to every GPU, splits the batch, and gathers all outputs on GPU 0, which therefore
+  works and holds more than the others.
+- `balanced-dp`: DataParallel with a smaller share for GPU 0 (`--gpu0-batch`), the
+  BalancedDataParallel of the DDP tutorials: 2+3+3 for a batch of 8 on three GPUs.
+
+The legacy modes exist so that a user can measure why DDP is the default.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+
+def balanced_split(batch: int, gpus: int, gpu0_batch: int) -> list[int]:
+    """Samples per GPU for one batch: GPU 0 takes `gpu0_batch`, the others share the rest
+    evenly, the first of them one more when it does not divide. A batch too small for that
+    (the last of an epoch) is split evenly instead, and GPUs left with nothing are dropped.
+
+    >>> balanced_split(8, 3, 2)
+    [2, 3, 3]
+    """
+    if gpus < 1 or batch < 0 or gpu0_batch < 0:
+        raise ValueError(f"no split of {batch} over {gpus} GPUs with {gpu0_batch} on GPU 0")
+    if gpus == 1:
+        return [batch] if batch else []
+    rest = batch - gpu0_batch
+    if rest < gpus - 1:
+        unit, extra = divmod(batch, gpus)
+        shares = [unit + (1 if gpu < extra else 0) for gpu in range(gpus)]
+    else:
+        unit, extra = divmod(rest, gpus - 1)
+        shares = [gpu0_batch] + [unit + (1 if gpu < extra else 0) for gpu in range(gpus - 1)]
+    return [share for share in shares if share]
+
+
+def dataparallel_split(batch: int, gpus: int) -> list[int]:
+    """nn.DataParallel's own split (torch.chunk): 8 over three GPUs is 3+3+2."""
+    unit = -(-batch // gpus)
+    return [min(unit, batch - start) for start in range(0, batch, unit)] if batch else []
+
+
+def batch_split(strategy: str, batch: int, gpus: int, gpu0_batch: int | None) -> list[int]:
+    """Samples per GPU of one batch under a single-process strategy."""
+    if strategy == "balanced-dp":
+        return balanced_split(batch, gpus, gpu0_batch)
+    return dataparallel_split(batch, gpus)
+
+
+def step_shares(batch: int, gpus: int, gpu0_batch: int, accumulate: int) -> list[int]:
+    """Samples per GPU over one optimizer step of `accumulate` micro-batches: with batch 8,
+    GPU 0's share 2 and accumulation 2 on three GPUs, 4+6+6 = a global batch of 16."""
+    return [share * accumulate for share in balanced_split(batch, gpus, gpu0_batch)]
+
+
+class BalancedDataParallel(nn.DataParallel):
+    """nn.DataParallel whose scatter gives GPU 0 `gpu0_batch` samples of each batch."""
+
+    def __init__(self, gpu0_batch: int, module: nn.Module, device_ids: list[int]):
+        super().__init__(module, device_ids=device_ids)
+        self.gpu0_batch = gpu0_batch
+
+    def scatter(self, inputs, kwargs, device_ids):
+        if kwargs or len(inputs) != 1 or not isinstance(inputs[0], torch.Tensor):
+            raise TypeError("BalancedDataParallel scatters a single batch tensor")
+        batch = inputs[0]
+        shares = balanced_split(batch.shape[self.dim], len(device_ids), self.gpu0_batch)
+        devices = [torch.device("cuda", index) for index in device_ids[: len(shares)]]
+        # The images need no gradient, so the plain (non-autograd) scatter is enough.
+        pieces = torch.cuda.comm.scatter(batch, devices, chunk_sizes=shares, dim=self.dim)
+        return tuple((piece,) for piece in pieces), tuple({} for _ in pieces)
+
+
+def wrap_model(model: nn.Module, cfg, ctx) -> nn.Module:
+    """The model on ctx.device, wrapped for the configured strategy."""
+    if cfg.strategy == "ddp":
+        if not ctx.distributed:
+            return model
+        return DistributedDataParallel(
+            model,
+            device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
+            gradient_as_bucket_view=True,  # gradients live in the buckets: no extra copy
+            bucket_cap_mb=cfg.bucket_cap_mb,
+        )
+    device_ids = list(range(torch.cuda.device_count()))
+    if cfg.strategy == "dp":
+        return nn.DataParallel(model, device_ids=device_ids)
+    return BalancedDataParallel(cfg.gpu0_batch, model, device_ids)
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    wrapped = isinstance(model, (DistributedDataParallel, nn.DataParallel))
+    return model.module if wrapped else model
+
+
+def model_devices(model: nn.Module, ctx) -> list[torch.device]:
+    """The devices this process trains on: every GPU for DataParallel, else its own."""
+    if isinstance(model, nn.DataParallel):
+        return [torch.device("cuda", index) for index in model.device_ids]
+    return [ctx.device]

@@ -1,0 +1,387 @@
+"""Faults and launchers, run for real: a worker killed mid-epoch (with and without
+--max-restarts), a worker that raises, --log-dir, and `ddpcli train` as one worker of
+torchrun-style variables, the legacy torch.distributed.launch and SLURM.
+
+Every run has a timeout, and every fault test checks that no worker of its run is left.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from conftest import REPO, kill_group, run_bounded, run_cli
+
+from ddpcli.config import read_launcher_env
+
+TINY = ["--cpu", "--arch", "tinycnn", "--image-size", "16"]
+# 8192 images, batch 16, two ranks: 256 steps an epoch, time enough to act mid-epoch.
+LONG_EPOCHS = [*TINY, "--per-gpu-batch", "16", "--synthetic-size", "8192"]
+SHORT_RUN = [*TINY, "--per-gpu-batch", "32", "--synthetic-size", "256", "--epochs", "1"]
+STARTUP_S = 90  # imports and rendezvous on a busy two-core machine
+LAUNCHER_VARIABLES = (
+    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK",
+    "MASTER_ADDR", "MASTER_PORT",
+)  # fmt: skip
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """This environment without any launcher's variables (a test may itself run under one)."""
+    env = {
+        name: value
+        for name, value in os.environ.items()
+        if name not in LAUNCHER_VARIABLES and not name.startswith(("SLURM_", "TORCHELASTIC_"))
+    }
+    return {**env, "PYTHONUNBUFFERED": "1", "COLUMNS": "200", **extra}
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def read_metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+# --- Processes -----------------------------------------------------------------------------
+
+
+def proc_args(pid: str) -> list[str]:
+    return (Path("/proc") / pid / "cmdline").read_bytes().decode(errors="replace").split("\0")
+
+
+def child_workers(parent: int) -> dict[int, int]:
+    """Global rank -> pid of the `ddpcli.worker` processes `parent` started; the rank is
+    read from each worker's environment, as the agent set it."""
+    workers = {}
+    for entry in Path("/proc").iterdir():
+        try:
+            stat = (entry / "stat").read_text()
+            if int(stat.rsplit(")", 1)[1].split()[1]) != parent:
+                continue
+            if "ddpcli.worker" not in proc_args(entry.name):
+                continue
+            environ = (entry / "environ").read_bytes().split(b"\0")
+            variables = dict(item.split(b"=", 1) for item in environ if b"=" in item)
+            workers[int(variables[b"RANK"])] = int(entry.name)
+        except (OSError, ValueError, KeyError, IndexError):
+            continue  # not a process, or one that just ended
+    return workers
+
+
+def leftover_workers(out: Path) -> list[int]:
+    """Workers of this test's run still alive: their command line names its output folder.
+    (Other test sessions on the machine run workers of their own.)"""
+    left = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            args = proc_args(entry.name)
+        except OSError:
+            continue
+        if "ddpcli.worker" in args and any(str(out) in arg for arg in args):
+            left.append(int(entry.name))
+    return left
+
+
+def assert_no_worker_left(out: Path, grace_s: float = 5) -> None:
+    deadline = time.monotonic() + grace_s
+    while leftover_workers(out) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = leftover_workers(out)
+    for pid in left:  # fail the test, but leave nothing running
+        kill_pid(pid)
+    assert not left, f"workers left behind: {left}"
+
+
+class Background:
+    """`python -m ddpcli ARGS` in its own session, its stderr read line by line so a test
+    can act at a chosen moment (kill a worker mid-epoch). On leaving the block the
+    launcher's process group and its workers (each in a session of its own) are killed."""
+
+    def __init__(self, *args: str, env: dict[str, str] | None = None):
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "ddpcli", *args],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env or clean_env(),
+            cwd=REPO,
+            start_new_session=True,
+        )
+        self.lines: list[str] = []
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        for line in self.process.stderr:
+            self.lines.append(line)
+
+    @property
+    def stderr(self) -> str:
+        return "".join(self.lines)
+
+    def wait_for(self, text: str, timeout: float = STARTUP_S) -> None:
+        deadline = time.monotonic() + timeout
+        while not any(text in line for line in list(self.lines)):
+            if not self.reader.is_alive():
+                raise AssertionError(f"ended before printing {text!r}:\n{self.stderr[-3000:]}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no {text!r} within {timeout}s:\n{self.stderr[-3000:]}")
+            time.sleep(0.05)
+
+    def kill_worker(self, rank: int) -> None:
+        workers = child_workers(self.process.pid)
+        assert rank in workers, f"no worker of rank {rank} among {workers}"
+        os.kill(workers[rank], signal.SIGKILL)
+
+    def finish(self, timeout: float) -> int:
+        try:
+            code = self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"running after {timeout}s:\n{self.stderr[-3000:]}") from None
+        self.reader.join(timeout=10)
+        return code
+
+    def __enter__(self) -> Background:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for pid in child_workers(self.process.pid).values():
+            kill_pid(pid)
+        kill_group(self.process.pid)
+        self.process.wait(timeout=30)
+
+
+def kill_pid(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+
+
+def run_together(commands: list[tuple[list[str], dict]], timeout: float):
+    """Start every command at once, as a launcher starts its ranks; wait with one deadline;
+    kill every process group at the end, whatever happened."""
+    started = [
+        subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+            cwd=REPO, start_new_session=True,
+        )
+        for command, env in commands
+    ]  # fmt: skip
+    deadline = time.monotonic() + timeout
+    results = []
+    try:
+        for (command, _), process in zip(commands, started, strict=True):
+            left = max(1.0, deadline - time.monotonic())
+            try:
+                stdout, stderr = process.communicate(timeout=left)
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"timed out after {timeout}s: {' '.join(command)}") from None
+            results.append(subprocess.CompletedProcess(command, process.returncode, stdout, stderr))
+    finally:
+        for process in started:
+            kill_group(process.pid)
+            if process.poll() is None:
+                process.wait(timeout=30)
+    return results
+
+
+# --- Dead workers --------------------------------------------------------------------------
+
+
+def test_sigkill_mid_epoch_stops_every_worker_and_names_the_rank(tmp_path):
+    out = tmp_path / "run"
+    args = ["train", *LONG_EPOCHS, "--nproc", "2", "--epochs", "2", "--log-every", "1"]
+    with Background(*args, "--timeout", "20", "--out", str(out)) as run:
+        run.wait_for("epoch 1/2 step 2/")  # training, not starting up
+        run.kill_worker(1)
+        killed_at = time.monotonic()
+        code = run.finish(timeout=60)
+        stopped_after = time.monotonic() - killed_at
+    assert code == 1, run.stderr[-3000:]
+    assert stopped_after < 20  # the other worker did not wait for --timeout, let alone forever
+    host = socket.gethostname()
+    assert f"rank 1 on {host} failed first: killed by SIGKILL" in run.stderr, run.stderr[-3000:]
+    assert "most likely out of memory, or the scheduler" in run.stderr
+    assert "(then rank 0 stopped)" in run.stderr
+    assert "Traceback" not in run.stderr
+    assert not (out / "metrics.jsonl").exists() or len(read_metrics(out)) < 2
+    assert_no_worker_left(out)
+
+
+@pytest.mark.parametrize("init", ["env", "file"])
+def test_sigkill_with_max_restarts_resumes_from_last_checkpoint(tmp_path, init):
+    """The restarted workers meet in the store (env://) or file (file://) the dead ones used;
+    they must not read the dead ones' addresses there."""
+    out, init_file = tmp_path / "run", tmp_path / "init"
+    args = [
+        "train", *TINY, "--per-gpu-batch", "16", "--synthetic-size", "4096", "--nproc", "2",
+        "--epochs", "2", "--log-every", "8", "--max-restarts", "1", "--timeout", "20",
+        "--out", str(out),
+    ]  # fmt: skip
+    if init == "file":
+        args += ["--init-method", f"file://{init_file}"]
+    with Background(*args) as run:
+        run.wait_for("epoch 2/2 step")  # epoch 1 and its checkpoints/last.pt are written
+        run.kill_worker(1)
+        code = run.finish(timeout=150)
+    assert code == 0, run.stderr[-3000:]
+    assert "restart 1: resuming from the last checkpoint" in run.stderr
+    resumed = [line for line in run.lines if line.startswith("resumed from")]
+    assert resumed and "checkpoints/last.pt at epoch 2" in resumed[0], run.stderr[-3000:]
+    metrics = read_metrics(out)
+    assert [m["epoch"] for m in metrics] == [1, 2]  # no epoch twice, none missing
+    assert all(m["world_size"] == 2 for m in metrics)
+    assert not init_file.exists()
+    assert_no_worker_left(out)
+
+
+def test_workers_die_with_a_killed_launcher(tmp_path):
+    """The agent starts its workers in sessions of their own, so killing the launcher's
+    process group (a scheduler, a test's timeout) must still take them down."""
+    out = tmp_path / "run"
+    # Ten long epochs: orphaned workers would still be training when the test looks.
+    args = ["train", *LONG_EPOCHS, "--nproc", "2", "--epochs", "10", "--log-every", "1"]
+    with Background(*args, "--timeout", "20", "--out", str(out)) as run:
+        run.wait_for("epoch 1/10 step 2/")
+        assert len(child_workers(run.process.pid)) == 2
+        kill_group(run.process.pid)  # the launcher only: the workers are not in its group
+        assert run.finish(timeout=30) == -signal.SIGKILL
+        assert_no_worker_left(out)
+
+
+def test_worker_exception_with_log_dir(tmp_path):
+    """Rank 1 raises (its sample trace file is a folder); --log-dir keeps each rank's output
+    in its own file, and the console shows rank 0 and rank 1's error, prefixed."""
+    out, logs, trace = tmp_path / "run", tmp_path / "logs", tmp_path / "trace"
+    trace.with_name("trace.rank1").mkdir()  # rank 1 cannot open it: IsADirectoryError
+    result = run_cli(
+        "train", *SHORT_RUN, "--nproc", "2", "--timeout", "20", "--log-dir", str(logs),
+        "--out", str(out), env={"DDPCLI_TRACE_SAMPLES": str(trace)}, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 1, result.stderr[-3000:]
+    host = socket.gethostname()
+    assert f"rank 1 on {host} failed first: exit code 1" in result.stderr, result.stderr[-3000:]
+    assert "IsADirectoryError" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert f"[{host} rank 0] world size 2" in result.stderr  # rank 0's output, prefixed
+    assert f"[{host} rank 1] error: rank 1: IsADirectoryError" in result.stderr  # any rank's errors
+    (rank0,) = logs.glob("*/attempt_0/0/stderr.log")
+    (rank1,) = logs.glob("*/attempt_0/1/stderr.log")
+    assert "world size 2" in rank0.read_text()
+    assert "IsADirectoryError" in rank1.read_text() and "world size" not in rank1.read_text()
+    assert f"its output: {rank1}" in result.stderr
+    assert_no_worker_left(out)
+
+
+# --- Launchers -----------------------------------------------------------------------------
+
+
+def train_command(out: Path) -> list[str]:
+    train = [sys.executable, "-m", "ddpcli", "train", *SHORT_RUN]
+    return [*train, "--timeout", "60", "--out", str(out)]
+
+
+def test_torchrun_variables_make_each_process_one_worker(tmp_path):
+    """What torchrun (or any launcher) sets: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT.
+    Two processes, one world of 2; neither starts workers of its own."""
+    out, port = tmp_path / "run", str(free_port())
+    commands = [
+        (train_command(out), clean_env(
+            RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
+        ))
+        for rank in (0, 1)
+    ]  # fmt: skip
+    results = run_together(commands, timeout=150)
+    assert [r.returncode for r in results] == [0, 0], results[0].stderr[-2000:]
+    metrics = read_metrics(out)
+    assert len(metrics) == 1 and metrics[0]["world_size"] == 2  # one world of 2, not two of 2
+    assert "world size 2" in results[0].stderr
+    assert "world size" not in results[1].stderr  # rank 0 speaks for the job
+
+
+def test_legacy_launcher_passing_local_rank_argument(tmp_path):
+    """`python -m torch.distributed.launch` without --use-env passes --local-rank=N as an
+    argument (and LOCAL_RANK); `ddpcli` drops the argument and runs as that one worker."""
+    out = tmp_path / "run"
+    command = [
+        sys.executable, "-m", "torch.distributed.launch", "--nproc-per-node", "2",
+        "--master-port", str(free_port()), "-m", "ddpcli", *train_command(out)[3:],
+    ]  # fmt: skip
+    result = run_bounded(command, timeout=180, env=clean_env())
+    assert result.returncode == 0, result.stderr[-3000:]
+    metrics = read_metrics(out)
+    assert len(metrics) == 1 and metrics[0]["world_size"] == 2
+
+
+def test_old_local_rank_argument_spelling_is_dropped():
+    """Launchers before torch 2.0 wrote --local_rank=N (the test above sees --local-rank=N)."""
+    result = run_cli("--local_rank=1", "train", "--cpu", "--dry-run", "--json", timeout=60)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert json.loads(result.stdout)["world_size"] == 2
+
+
+def test_slurm_variables_make_each_task_one_worker(tmp_path):
+    """srun sets SLURM_PROCID/NTASKS/LOCALID/NODELIST and no MASTER_ADDR: ddpcli derives
+    rank, world size and the master's address (the first host of the node list)."""
+    out, port = tmp_path / "run", str(free_port())
+    commands = [
+        (train_command(out), clean_env(
+            SLURM_PROCID=str(rank), SLURM_NTASKS="2", SLURM_LOCALID=str(rank), SLURM_NODEID="0",
+            SLURM_NODELIST="localhost", SLURM_TASKS_PER_NODE="2", SLURM_JOB_ID="4242",
+            MASTER_PORT=port,
+        ))
+        for rank in (0, 1)
+    ]  # fmt: skip
+    results = run_together(commands, timeout=150)
+    assert [r.returncode for r in results] == [0, 0], results[0].stderr[-2000:]
+    metrics = read_metrics(out)
+    assert len(metrics) == 1 and metrics[0]["world_size"] == 2
+    assert "world size 2" in results[0].stderr
+
+
+@pytest.mark.parametrize(
+    ("variables", "expected"),
+    [
+        (
+            {"SLURM_NODELIST": "gpu[07-08,11]", "SLURM_TASKS_PER_NODE": "4(x2),2",
+             "SLURM_NODEID": "1", "SLURM_JOB_ID": "123456"},
+            {"master_addr": "gpu07", "local_world_size": 4, "node_rank": 1, "master_port": 18456},
+        ),
+        (
+            {"SLURM_NODELIST": "node[1-2]-ib,login1", "SLURM_NTASKS_PER_NODE": "8",
+             "MASTER_PORT": "29400"},
+            {"master_addr": "node1-ib", "local_world_size": 8, "master_port": 29400},
+        ),
+        (
+            {"SLURM_JOB_NODELIST": "a01,a02", "MASTER_ADDR": "10.0.0.7"},
+            {"master_addr": "10.0.0.7", "local_world_size": 1, "master_port": 29500},
+        ),
+        ({}, {"master_addr": "127.0.0.1"}),
+    ],
+)  # fmt: skip
+def test_slurm_variables_resolve(variables, expected):
+    env = {"SLURM_PROCID": "5", "SLURM_NTASKS": "10", "SLURM_LOCALID": "1", **variables}
+    launcher = read_launcher_env(env)
+    assert (launcher.rank, launcher.world_size, launcher.local_rank) == (5, 10, 1)
+    assert launcher.launcher == "slurm"
+    for name, value in expected.items():
+        assert getattr(launcher, name) == value, name
+
+
+def test_one_slurm_task_is_no_launcher():
+    """A batch script's own shell has SLURM_PROCID=0 too; with one task ddpcli launches."""
+    assert read_launcher_env({"SLURM_PROCID": "0", "SLURM_NTASKS": "1"}) is None

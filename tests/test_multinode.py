@@ -1,0 +1,277 @@
+"""Several nodes and init methods, run for real: two `ddpcli train` in two network
+namespaces joined by a veth pair (two hosts, 192.0.2.0/24), tcp:// and file:// init, a
+stale init file, a node that never comes, and a node cut off mid-run.
+
+The namespace tests need root and iproute2 and skip with the reason otherwise; the
+namespaces are deleted, and every process in them killed, even when a test fails.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from conftest import REPO, kill_group, run_cli
+from netns import Host, two_hosts
+
+from ddpcli.config import TrainConfig
+from ddpcli.launch import worker_environment
+
+TINY = ["--cpu", "--arch", "tinycnn", "--image-size", "16", "--per-gpu-batch", "16"]
+ONE_EPOCH = [*TINY, "--synthetic-size", "256", "--epochs", "1"]
+RUN_TIMEOUT_S = 150
+LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """This environment without any launcher's variables (a test may itself run under one)."""
+    env = {
+        name: value
+        for name, value in os.environ.items()
+        if name not in LAUNCHER_VARIABLES and not name.startswith(("SLURM_", "TORCHELASTIC_"))
+    }
+    return {**env, "PYTHONUNBUFFERED": "1", "COLUMNS": "200", **extra}
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def read_metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+class Node:
+    """One `ddpcli train` node in its own session, its stderr read line by line."""
+
+    def __init__(self, command: list[str], env: dict[str, str] | None = None):
+        self.process = subprocess.Popen(
+            command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+            env=env or clean_env(), cwd=REPO, start_new_session=True,
+        )  # fmt: skip
+        self.lines: list[str] = []
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        for line in self.process.stderr:
+            self.lines.append(line)
+
+    @property
+    def stderr(self) -> str:
+        return "".join(self.lines)
+
+    def wait_for(self, text: str, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not any(text in line for line in list(self.lines)):
+            if not self.reader.is_alive() or time.monotonic() > deadline:
+                raise AssertionError(f"no {text!r} within {timeout}s:\n{self.stderr[-3000:]}")
+            time.sleep(0.05)
+
+    def finish(self, deadline: float) -> int:
+        try:
+            code = self.process.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"node still running:\n{self.stderr[-3000:]}") from None
+        self.reader.join(timeout=10)
+        return code
+
+    def kill(self) -> None:
+        kill_group(self.process.pid)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(timeout=30)
+
+
+@contextlib.contextmanager
+def nodes(commands: list[list[str]], env: dict[str, str] | None = None):
+    """Start every node at once, as people do on a cluster; kill them all at the end."""
+    started = [Node(command, env) for command in commands]
+    try:
+        yield started
+    finally:
+        for node in started:
+            node.kill()
+
+
+def kill_namespace_processes(host: Host) -> None:
+    """Deleting a namespace does not stop what runs in it."""
+    listed = subprocess.run(
+        ["ip", "netns", "pids", host.namespace], capture_output=True, text=True, timeout=10
+    )
+    for pid in listed.stdout.split():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(int(pid), signal.SIGKILL)
+
+
+@pytest.fixture
+def hosts():
+    with two_hosts() as pair:
+        try:
+            yield pair.hosts
+        finally:
+            for host in pair.hosts:
+                kill_namespace_processes(host)
+
+
+def node_command(host: Host, node_rank: int, master: Host, out: Path, *extra: str) -> list[str]:
+    """The same command on both hosts; only --node-rank, --ifname and --out differ."""
+    return host.command(
+        sys.executable, "-m", "ddpcli", "train", *extra, "--nproc", "1", "--nnodes", "2",
+        "--node-rank", str(node_rank), "--master-addr", master.address,
+        "--ifname", host.ifname, "--out", str(out),
+    )  # fmt: skip
+
+
+# --- Two hosts -----------------------------------------------------------------------------
+
+
+@pytest.mark.netns
+@pytest.mark.parametrize("init", ["env", "tcp"])
+def test_two_hosts_train_as_one_world(hosts, tmp_path, init):
+    master = hosts[0]
+    if init == "tcp":  # the workers meet at this port, the node agents at the next one
+        extra = ["--init-method", f"tcp://{master.address}:29610"]
+    else:
+        extra = ["--master-port", "29600"]
+    outs, trace = [tmp_path / "node0", tmp_path / "node1"], tmp_path / "trace"
+    commands = [
+        node_command(host, rank, master, outs[rank], *ONE_EPOCH, "--timeout", "60", *extra)
+        for rank, host in enumerate(hosts)
+    ]
+    # Each rank records the samples it trains on in trace.rank<global rank>.
+    with nodes(commands, clean_env(DDPCLI_TRACE_SAMPLES=str(trace))) as (node0, node1):
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        codes = [node0.finish(deadline), node1.finish(deadline)]
+    assert codes == [0, 0], (node0.stderr[-2000:], node1.stderr[-2000:])
+    metrics = read_metrics(outs[0])
+    assert len(metrics) == 1 and metrics[0]["world_size"] == 2  # one world of 2
+    assert metrics[0]["global_batch"] == 32
+    assert "world size 2" in node0.stderr
+    assert "node 1 finished" in node1.stderr
+    config = json.loads((outs[0] / "config.json").read_text())
+    assert config["ifname"] == master.ifname and config["nnodes"] == 2
+    # Node 1 held global rank 1, and the two nodes trained on disjoint halves of the set.
+    shards = [traced_samples(trace, rank) for rank in (0, 1)]
+    assert len(shards[0]) == len(shards[1]) == 128 and not shards[0] & shards[1]
+
+
+def traced_samples(trace: Path, rank: int) -> set[int]:
+    lines = trace.with_name(f"{trace.name}.rank{rank}").read_text().splitlines()
+    return {index for line in lines for index in json.loads(line)["indices"]}
+
+
+@pytest.mark.netns
+def test_node_cut_off_mid_run_ends_both_within_the_timeout(hosts, tmp_path):
+    """Node 1's link goes down mid-epoch: no connection is closed, so nothing but
+    --timeout can end the collective both ranks are in. Both nodes exit 1, in bounded time."""
+    master, worker = hosts
+    settings = [*TINY, "--synthetic-size", "8192", "--epochs", "1", "--log-every", "1"]
+    commands = [
+        node_command(host, rank, master, tmp_path / f"node{rank}", *settings, "--timeout", "15")
+        for rank, host in enumerate(hosts)
+    ]
+    with nodes(commands) as (node0, node1):
+        node0.wait_for("step 2/", timeout=RUN_TIMEOUT_S)
+        subprocess.run(
+            ["ip", "-n", worker.namespace, "link", "set", worker.ifname, "down"],
+            check=True, timeout=10,
+        )  # fmt: skip
+        cut_at = time.monotonic()
+        codes = [node0.finish(cut_at + 60), node1.finish(cut_at + 60)]
+        ended_after = time.monotonic() - cut_at
+    assert codes == [1, 1], (node0.stderr[-2000:], node1.stderr[-2000:])
+    assert ended_after < 15 + 30  # --timeout, plus the agents' own shutdown
+    for node in (node0, node1):
+        assert "did not finish within --timeout" in node.stderr, node.stderr[-2000:]
+        assert "Traceback" not in node.stderr
+
+
+# --- Init methods --------------------------------------------------------------------------
+
+
+def test_file_init_trains_and_removes_the_file(tmp_path):
+    init_file, out = tmp_path / "init", tmp_path / "run"
+    result = run_cli(
+        "train", *ONE_EPOCH, "--nproc", "2", "--init-method", f"file://{init_file}",
+        "--timeout", "60", "--out", str(out), timeout=RUN_TIMEOUT_S,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert read_metrics(out)[0]["world_size"] == 2
+    assert not init_file.exists()  # a clean run leaves nothing for the next one to trip on
+
+
+def test_stale_init_file_is_refused(tmp_path):
+    init_file = tmp_path / "init"
+    init_file.write_bytes(b"left by an earlier run")
+    result = run_cli(
+        "train", *ONE_EPOCH, "--nproc", "2", "--init-method", f"file://{init_file}",
+        "--out", str(tmp_path / "run"), timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert f"{init_file} already exists" in result.stderr
+    assert f"rm {init_file}" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_tcp_init_on_several_nodes_derives_the_agents_address():
+    result = run_cli(
+        "train", "--cpu", "--nnodes", "2", "--node-rank", "1",
+        "--init-method", "tcp://10.0.0.1:23456", "--dry-run", "--json", timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    config = json.loads(result.stdout)
+    assert (config["master_addr"], config["master_port"]) == ("10.0.0.1", 23457)
+    clash = run_cli(
+        "train", "--cpu", "--init-method", "tcp://127.0.0.1:23456", "--master-port", "23456",
+        "--dry-run", timeout=60,
+    )  # fmt: skip
+    assert clash.returncode == 2 and "--master-port" in clash.stderr
+
+
+def test_ifname_sets_both_socket_variables():
+    env = worker_environment(TrainConfig(cpu=True, nproc=1, ifname="eth1"))
+    assert env["GLOO_SOCKET_IFNAME"] == "eth1" and env["NCCL_SOCKET_IFNAME"] == "eth1"
+
+
+# --- A node that never comes ---------------------------------------------------------------
+
+
+def test_missing_node_times_out_naming_it(tmp_path):
+    """Three nodes expected, two come: after --timeout node 0 names the missing one, and
+    node 1 repeats it. A node 1 whose master never comes says so. All exit 1."""
+    port, lonely_port = free_port(), free_port()
+    base = [
+        sys.executable, "-m", "ddpcli", "train", *ONE_EPOCH, "--nproc", "1",
+        "--master-addr", "127.0.0.1", "--timeout", "10",
+    ]  # fmt: skip
+    three = [*base, "--nnodes", "3", "--master-port", str(port)]
+    commands = [
+        [*three, "--node-rank", "0", "--out", str(tmp_path / "n0")],
+        [*three, "--node-rank", "1", "--out", str(tmp_path / "n1")],
+        [*base, "--nnodes", "2", "--node-rank", "1", "--master-port", str(lonely_port),
+         "--out", str(tmp_path / "lonely")],
+    ]  # fmt: skip
+    started = time.monotonic()
+    with nodes(commands) as (node0, node1, lonely):
+        deadline = started + 90
+        codes = [node0.finish(deadline), node1.finish(deadline), lonely.finish(deadline)]
+    assert codes == [1, 1, 1], (node0.stderr, node1.stderr, lonely.stderr)
+    assert time.monotonic() - started < 60
+    assert "only 2 of 3 nodes joined" in node0.stderr, node0.stderr
+    assert "(2 of 3 ranks); missing node rank(s): 2" in node0.stderr
+    assert "node 1: node 0 gave up: only 2 of 3 nodes joined" in node1.stderr, node1.stderr
+    assert "could not reach the master at 127.0.0.1" in lonely.stderr, lonely.stderr
+    for node in (node0, node1, lonely):
+        assert "Traceback" not in node.stderr
