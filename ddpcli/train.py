@@ -33,6 +33,7 @@ from ddpcli.checkpoint import (
 from ddpcli.config import TrainConfig
 from ddpcli.data import DataPipeline
 from ddpcli.dist import DistContext, all_reduce_max, all_reduce_sum, barrier
+from ddpcli.errors import runtime_error
 from ddpcli.models import build_model
 from ddpcli.strategy import batch_split, model_devices, unwrap, wrap_model
 
@@ -171,7 +172,7 @@ class Trainer:
 
     # --- training
     def fit(self) -> dict:
-        resume_path = find_resume_path(self.cfg)
+        resume_path = self.agreed_resume_path()
         if resume_path:
             self.resume(resume_path)
         elif self.cfg.resume == "auto" and self.ctx.is_main:
@@ -185,6 +186,22 @@ class Trainer:
                 metrics = self.run_epoch(progress)
                 self.finish_epoch(metrics)
         return self.state.history[-1] if self.state.history else {}
+
+    def agreed_resume_path(self) -> Path | None:
+        """Every rank must resume from the same place. With `--resume auto` and an `--out`
+        that is local to each node, node 0 may find last.pt where node 1 does not; training
+        on anyway would desynchronise the ranks, so say what to do instead."""
+        path = find_resume_path(self.cfg)
+        found = torch.tensor([float(path is not None)], device=self.ctx.device)
+        anyone = all_reduce_max(found.clone(), self.ctx).item()
+        everyone = -all_reduce_max(-found, self.ctx).item()
+        if anyone != everyone:
+            raise runtime_error(
+                f"rank {self.ctx.rank}: {'found' if path else 'did not find'} the checkpoint to "
+                f"resume from ({self.cfg.resume}) but other ranks did not agree; put --out (or "
+                "the --resume file) on a file system every node shares"
+            )
+        return path
 
     def reached_max_steps(self) -> bool:
         return self.cfg.max_steps is not None and self.state.step >= self.cfg.max_steps

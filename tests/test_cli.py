@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from conftest import REPO, run_cli
@@ -96,7 +97,7 @@ def test_shipped_recipes_parse():
 
 def test_python_dash_m_works_like_the_script():
     result = subprocess.run(
-        ["ddpcli", "train", "--dry-run", "--cpu", "--json"],
+        [str(Path(sys.executable).parent / "ddpcli"), "train", "--dry-run", "--cpu", "--json"],
         capture_output=True, text=True, timeout=60, cwd=REPO,
     )  # fmt: skip
     module = run_cli("train", "--dry-run", "--cpu", "--json", timeout=60)

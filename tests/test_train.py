@@ -1,10 +1,8 @@
 """`ddpcli train` end to end: real Gloo processes, real files."""
 
 import json
-import shutil
 import sys
 
-import pytest
 from conftest import run_bounded, run_cli
 
 TINY = ["--cpu", "--arch", "tinycnn", "--image-size", "16", "--per-gpu-batch", "32"]
@@ -76,7 +74,6 @@ def test_accumulation_multiplies_the_global_batch(tmp_path):
     assert metrics["step"] == 2  # 128 images per rank / 32 = 4 micro-batches = 2 steps
 
 
-@pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not on PATH")
 def test_under_torchrun_each_process_is_one_worker(tmp_path):
     out = tmp_path / "run"
     command = [
