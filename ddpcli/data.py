@@ -12,6 +12,7 @@ shard validation so every sample is counted exactly once.
 
 from __future__ import annotations
 
+import abc
 import hashlib
 import json
 import math
@@ -357,7 +358,7 @@ def read_rgb(path: Path) -> torch.Tensor:
         return pil_to_tensor(image.convert("RGB"))
 
 
-class KeyedImages(torch.utils.data.Dataset):
+class KeyedImages(torch.utils.data.Dataset, abc.ABC):
     """The loader path's twin of TensorBatches. Items are keyed by (index, epoch): workers
     persist across epochs, so the epoch travels with each index instead of living in a
     copy of the dataset that the workers would never see change."""
@@ -365,9 +366,9 @@ class KeyedImages(torch.utils.data.Dataset):
     def __init__(self, seed: int, augment: bool):
         self.seed, self.augment = seed, augment
 
+    @abc.abstractmethod
     def load(self, index: int) -> tuple[torch.Tensor, int]:
         """uint8 (3, H, W) at the training size, and the label."""
-        raise NotImplementedError
 
     def __getitem__(self, key: tuple[int, int]) -> tuple[torch.Tensor, int]:
         index, epoch = key

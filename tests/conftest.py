@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -14,13 +16,37 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
+LAUNCHER_VARIABLES = (
+    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK",
+    "MASTER_ADDR", "MASTER_PORT",
+)  # fmt: skip
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """This environment without any launcher's variables (a test may itself run under one)."""
+    env = {
+        name: value
+        for name, value in os.environ.items()
+        if name not in LAUNCHER_VARIABLES and not name.startswith(("SLURM_", "TORCHELASTIC_"))
+    }
+    return {**env, "PYTHONUNBUFFERED": "1", "COLUMNS": "200", **extra}
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def read_metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
 def run_cli(*args: str, timeout: float = 120, env: dict | None = None, cwd=None):
     """`python -m ddpcli ARGS` as a user would run it; a hang fails the test, not CI."""
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200", **(env or {})}
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        if env is None or name not in env:
-            full_env.pop(name, None)
-    return run_bounded([sys.executable, "-m", "ddpcli", *args], timeout, full_env, cwd)
+    return run_bounded(
+        [sys.executable, "-m", "ddpcli", *args], timeout, clean_env(**(env or {})), cwd
+    )
 
 
 def run_bounded(command: list[str], timeout: float, env: dict | None = None, cwd=None):

@@ -12,16 +12,10 @@ import sys
 import time
 
 import pytest
-from conftest import REPO, run_cli
+from conftest import REPO, free_port, run_cli
 from netns import two_hosts
 
 PROBE_TIMEOUT_S = 120
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def report(result: subprocess.CompletedProcess) -> dict:

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, kill_group, run_bounded, run_cli
+from conftest import REPO, clean_env, free_port, kill_group, read_metrics, run_bounded, run_cli
 
 from ddpcli.config import read_launcher_env
 
@@ -28,30 +28,6 @@ TINY = ["--cpu", "--arch", "tinycnn", "--image-size", "16"]
 LONG_EPOCHS = [*TINY, "--per-gpu-batch", "16", "--synthetic-size", "8192"]
 SHORT_RUN = [*TINY, "--per-gpu-batch", "32", "--synthetic-size", "256", "--epochs", "1"]
 STARTUP_S = 90  # imports and rendezvous on a busy two-core machine
-LAUNCHER_VARIABLES = (
-    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK",
-    "MASTER_ADDR", "MASTER_PORT",
-)  # fmt: skip
-
-
-def clean_env(**extra: str) -> dict[str, str]:
-    """This environment without any launcher's variables (a test may itself run under one)."""
-    env = {
-        name: value
-        for name, value in os.environ.items()
-        if name not in LAUNCHER_VARIABLES and not name.startswith(("SLURM_", "TORCHELASTIC_"))
-    }
-    return {**env, "PYTHONUNBUFFERED": "1", "COLUMNS": "200", **extra}
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def read_metrics(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 # --- Processes -----------------------------------------------------------------------------

@@ -12,7 +12,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -20,7 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, kill_group, run_cli
+from conftest import REPO, clean_env, free_port, kill_group, read_metrics, run_cli
 from netns import Host, two_hosts
 
 from ddpcli.config import TrainConfig
@@ -29,27 +28,6 @@ from ddpcli.launch import worker_environment
 TINY = ["--cpu", "--arch", "tinycnn", "--image-size", "16", "--per-gpu-batch", "16"]
 ONE_EPOCH = [*TINY, "--synthetic-size", "256", "--epochs", "1"]
 RUN_TIMEOUT_S = 150
-LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-
-
-def clean_env(**extra: str) -> dict[str, str]:
-    """This environment without any launcher's variables (a test may itself run under one)."""
-    env = {
-        name: value
-        for name, value in os.environ.items()
-        if name not in LAUNCHER_VARIABLES and not name.startswith(("SLURM_", "TORCHELASTIC_"))
-    }
-    return {**env, "PYTHONUNBUFFERED": "1", "COLUMNS": "200", **extra}
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def read_metrics(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 class Node:

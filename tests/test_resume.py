@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_cli
+from conftest import read_metrics, run_cli
 
 from ddpcli.checkpoint import safe_load
 
@@ -36,10 +36,6 @@ def train(out: Path, *extra: str, trace: Path | None = None, nproc: int = WORLD_
     result = run_cli(*args, env=env, timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
     return result
-
-
-def read_metrics(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 def read_trace(trace: Path, rank: int) -> list[tuple[int, list[int]]]:

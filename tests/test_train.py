@@ -3,13 +3,9 @@
 import json
 import sys
 
-from conftest import run_bounded, run_cli
+from conftest import read_metrics, run_bounded, run_cli
 
 TINY = ["--cpu", "--arch", "tinycnn", "--image-size", "16", "--per-gpu-batch", "32"]
-
-
-def read_metrics(out):
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_two_gloo_workers_learn_the_synthetic_set(tmp_path):
