@@ -1,0 +1,439 @@
+"""Training throughput of `ddpcli train` against the same work done by its peers.
+
+    python benchmarks/train_throughput.py                 # resnet18, 96 px, batch 16, 2 ranks
+    python benchmarks/train_throughput.py --quick         # a short smoke run
+    python benchmarks/train_throughput.py --repeats 5 --json results.json
+
+Contenders, each run as its own process tree with a timeout (scripts in benchmarks/peers/):
+  ddpcli       `python -m ddpcli train --cpu --nproc N ...`; images/s from metrics.jsonl
+  ddp_loop     a hand-written DDP loop in the pytorch/examples style, under torchrun
+  lightning    Lightning's Trainer(accelerator="cpu", strategy="ddp"), timed by a callback
+  accelerate   HF Accelerate (Accelerator(cpu=True)), under torchrun
+
+Same work for all: the torchvision model with 10 classes, uint8 images in memory, a random
+crop (padding 4) and a flip per sample, normalisation, cross-entropy, SGD with momentum,
+Gloo on the CPU, the same per-process batch and world size, and the same threads per
+process (OMP_NUM_THREADS = cores // nproc, set for every contender). Each times its
+optimizer steps after the first 3 and reports images/s summed over ranks (the slowest
+rank's time). Contenders run interleaved, one round after another, so a change in machine
+load hits all of them alike. Then the whole-process wall time of a tiny run (5 steps at
+32 px), the same way.
+
+The peers need the optional extra: pip install -e ".[bench]"
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import importlib.util
+import json
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PEERS = Path(__file__).resolve().parent / "peers"
+WARMUP_STEPS = 3  # ddpcli.train.TIMING_WARMUP_STEPS; the peers use the same
+KILL_GRACE_S = 5
+LAUNCHER_VARIABLES = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+)
+
+
+@dataclass(frozen=True)
+class Work:
+    """One measured configuration, identical for every contender."""
+
+    arch: str
+    image_size: int
+    batch: int
+    nproc: int
+    steps: int  # timed steps, after WARMUP_STEPS untimed ones
+    threads: int
+
+    @property
+    def total_steps(self) -> int:
+        return WARMUP_STEPS + self.steps
+
+
+@dataclass
+class Contender:
+    name: str
+    label: str
+    needs: str | None  # a module that must be importable, or None
+    script: str | None = None  # under benchmarks/peers/
+    source: Path = ROOT  # the checkout whose ddpcli runs (first on the path, and the cwd)
+
+    def available(self) -> bool:
+        return self.needs is None or importlib.util.find_spec(self.needs) is not None
+
+    def command(self, work: Work, scratch: Path) -> list[str]:
+        if self.script is None:
+            return [
+                sys.executable, "-m", "ddpcli", "train", "--cpu",
+                "--nproc", str(work.nproc),
+                "--arch", work.arch,
+                "--image-size", str(work.image_size),
+                "--per-gpu-batch", str(work.batch),
+                # Exactly one epoch of total_steps batches per rank.
+                "--synthetic-size", str(work.nproc * work.batch * work.total_steps),
+                "--epochs", "1",
+                "--max-steps", str(work.total_steps),
+                "--out", str(scratch / "ddpcli-out"),
+            ]  # fmt: skip
+        peer_args = [
+            "--arch", work.arch,
+            "--image-size", str(work.image_size),
+            "--batch", str(work.batch),
+            "--steps", str(work.steps),
+            "--warmup", str(WARMUP_STEPS),
+            "--result", str(scratch / "result.json"),
+        ]  # fmt: skip
+        script = str(PEERS / self.script)
+        if self.name == "lightning":  # Lightning starts its other ranks itself
+            return [sys.executable, script, "--devices", str(work.nproc), *peer_args]
+        torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+        return [*torchrun, "--nproc-per-node", str(work.nproc), script, *peer_args]
+
+    def images_per_sec(self, scratch: Path) -> float:
+        if self.script is None:
+            lines = (scratch / "ddpcli-out" / "metrics.jsonl").read_text().splitlines()
+            return float(json.loads(lines[-1])["images_per_sec"])
+        return float(json.loads((scratch / "result.json").read_text())["images_per_sec"])
+
+
+CONTENDERS = [
+    Contender("ddpcli", "ddpcli train", None),
+    Contender("ddp_loop", "hand-written DDP loop", None, "ddp_loop.py"),
+    Contender("lightning", "Lightning Trainer (ddp)", "lightning", "lightning_trainer.py"),
+    Contender("accelerate", "torchrun + Accelerate", "accelerate", "accelerate_loop.py"),
+]
+
+
+@dataclass
+class Run:
+    contender: str
+    round: int
+    kind: str  # "throughput" or "tiny"
+    wall_s: float
+    load_before: float = 0.0  # 1-minute load average when the run started
+    images_per_sec: float | None = None
+    error: str | None = None
+
+
+@dataclass
+class Results:
+    runs: list[Run] = field(default_factory=list)
+
+    def values(self, contender: str, kind: str, key: str) -> list[float]:
+        return [
+            getattr(run, key)
+            for run in self.runs
+            if run.contender == contender and run.kind == kind and run.error is None
+        ]
+
+
+# --- Running one contender ------------------------------------------------------------------
+
+
+def clean_environment(threads: int, source: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
+    env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(threads)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(source), env.get("PYTHONPATH")]))
+    return env
+
+
+def run_bounded(
+    command: list[str], env: dict, cwd: Path, log: Path, timeout_s: float
+) -> tuple[int, float]:
+    """Run `command` in its own session; on timeout end its whole process tree.
+    Returns the exit code and the wall time."""
+    start = time.perf_counter()
+    with open(log, "wb") as output:
+        process = subprocess.Popen(
+            command, cwd=cwd, env=env, stdout=output, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, start_new_session=True,
+        )  # fmt: skip
+        try:
+            code = process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            code = 124
+        finally:
+            end_session(process)  # stragglers (a rank left behind) go with the session
+    return code, time.perf_counter() - start
+
+
+def end_session(process: subprocess.Popen) -> None:
+    """SIGTERM the run's process group, SIGKILL what is left after a grace period."""
+    try:
+        os.killpg(process.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + KILL_GRACE_S
+    while time.monotonic() < deadline:
+        process.poll()  # reap the leader, or the group never empties
+        try:
+            os.killpg(process.pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+
+
+def run_contender(contender: Contender, work: Work, kind: str, round_: int, timeout_s: float):
+    with tempfile.TemporaryDirectory(prefix=f"bench-{contender.name}-") as tmp:
+        scratch = Path(tmp)
+        log = scratch / "output.log"
+        env = clean_environment(work.threads, contender.source)
+        command = contender.command(work, scratch)
+        load = os.getloadavg()[0]
+        code, wall_s = run_bounded(command, env, contender.source, log, timeout_s)
+        run = Run(contender.name, round_, kind, wall_s, load)
+        if code != 0:
+            tail = log.read_text(errors="replace").strip().splitlines()[-6:]
+            why = "timed out" if code == 124 else f"exit {code}"
+            run.error = f"{why}: " + " | ".join(tail)
+            return run
+        try:
+            run.images_per_sec = contender.images_per_sec(scratch)
+        except (OSError, ValueError, KeyError, IndexError) as error:
+            run.error = f"no result: {error}"
+        return run
+
+
+# --- Reporting ------------------------------------------------------------------------------
+
+
+def summary(values: list[float], digits: int) -> tuple[str, str]:
+    if not values:
+        return "-", "-"
+    low, high = min(values), max(values)
+    return f"{statistics.median(values):.{digits}f}", f"{low:.{digits}f}-{high:.{digits}f}"
+
+
+def print_throughput_table(results: Results, contenders: list[Contender], work: Work) -> None:
+    print(
+        f"\nthroughput: {work.arch}, {work.image_size} px, per-process batch {work.batch}, "
+        f"{work.nproc} Gloo ranks x {work.threads} thread(s), {work.steps} steps timed "
+        f"after {WARMUP_STEPS}"
+    )
+    # On a shared machine "best" is the run the least disturbed by other work.
+    print(f"{'contender':<26}{'img/s median':>14}{'range':>16}{'best':>8}{'runs':>6}")
+    for contender in contenders:
+        rates = results.values(contender.name, "throughput", "images_per_sec")
+        median, spread = summary(rates, 1)
+        best = f"{max(rates):.1f}" if rates else "-"
+        print(f"{contender.label:<26}{median:>14}{spread:>16}{best:>8}{len(rates):>6}")
+    print_ratio(results, contenders)
+
+
+def print_ratio(results: Results, contenders: list[Contender]) -> None:
+    """Each ddpcli against the peer with the best median, also paired round by round."""
+    peers = {
+        c.name: results.values(c.name, "throughput", "images_per_sec")
+        for c in contenders
+        if c.script is not None
+    }
+    peers = {name: rates for name, rates in peers.items() if rates}
+    if not peers:
+        return
+    fastest = max(peers, key=lambda name: statistics.median(peers[name]))
+    label = next(c.label for c in contenders if c.name == fastest)
+    for ours in (c for c in contenders if c.script is None):
+        rates = results.values(ours.name, "throughput", "images_per_sec")
+        if not rates:
+            continue
+        ratio = statistics.median(rates) / statistics.median(peers[fastest])
+        paired = paired_ratios(results, ours.name, fastest)
+        spread = f"; per round {min(paired):.3f}-{max(paired):.3f}" if paired else ""
+        print(f"{ours.label} / fastest peer ({label}): {ratio:.3f} (medians{spread})")
+
+
+def paired_ratios(results: Results, ours: str, peer: str) -> list[float]:
+    by_round: dict[int, dict[str, float]] = {}
+    for run in results.runs:
+        if run.kind == "throughput" and run.error is None:
+            by_round.setdefault(run.round, {})[run.contender] = run.images_per_sec
+    return [
+        rates[ours] / rates[peer] for rates in by_round.values() if ours in rates and peer in rates
+    ]
+
+
+def print_tiny_table(results: Results, contenders: list[Contender], tiny: Work) -> None:
+    print(
+        f"\ntiny run: {tiny.arch}, {tiny.image_size} px, {tiny.total_steps} steps, "
+        f"{tiny.nproc} ranks: whole-process wall time"
+    )
+    print(f"{'contender':<26}{'s median':>14}{'range':>16}{'runs':>6}")
+    for contender in contenders:
+        walls = results.values(contender.name, "tiny", "wall_s")
+        median, spread = summary(walls, 2)
+        print(f"{contender.label:<26}{median:>14}{spread:>16}{len(walls):>6}")
+
+
+def machine_line() -> str:
+    import torch
+
+    model = platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return (
+        f"{model}, {cpu_cores()} cores, torch {torch.__version__}, "
+        f"python {platform.python_version()}, {datetime.date.today().isoformat()}"
+    )
+
+
+def cpu_cores() -> int:
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+# --- Main -----------------------------------------------------------------------------------
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--arch", default="resnet18")
+    parser.add_argument("--image-size", type=int, default=96)
+    parser.add_argument("--batch", type=int, default=16, help="per-process batch")
+    parser.add_argument("--steps", type=int, default=60, help="timed steps per run")
+    parser.add_argument("--nproc", type=int, default=2, help="ranks (world size)")
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        help="threads per process of the peers (default cores // nproc); ddpcli always "
+        "splits the cores itself",
+    )
+    parser.add_argument("--tiny-image-size", type=int, default=32)
+    parser.add_argument("--tiny-steps", type=int, default=2, help="timed steps of the tiny run")
+    parser.add_argument("--no-tiny", action="store_true", help="skip the tiny-run wall times")
+    parser.add_argument("--no-throughput", action="store_true", help="only the tiny runs")
+    parser.add_argument(
+        "--contenders",
+        default=",".join(c.name for c in CONTENDERS),
+        help="comma-separated subset of: " + ", ".join(c.name for c in CONTENDERS),
+    )
+    parser.add_argument(
+        "--ddpcli-src",
+        type=Path,
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="also run the ddpcli of another checkout (A/B a change); repeatable",
+    )
+    parser.add_argument("--timeout", type=float, default=600, help="seconds per run")
+    parser.add_argument("--json", type=Path, help="also write every run here")
+    parser.add_argument("--quick", action="store_true", help="smoke run: 5 steps, 1 round")
+    args = parser.parse_args()
+    if args.quick:
+        args.steps, args.repeats = 5, 1
+    return args
+
+
+def chosen_contenders(names: str, sources: list[Path]) -> list[Contender]:
+    wanted = [name.strip() for name in names.split(",") if name.strip()]
+    unknown = sorted(set(wanted) - {c.name for c in CONTENDERS})
+    if unknown:
+        sys.exit(f"unknown contender(s): {', '.join(unknown)}")
+    chosen = []
+    for contender in CONTENDERS:
+        if contender.name not in wanted:
+            continue
+        if not contender.available():
+            print(
+                f"skipping {contender.label}: {contender.needs} is not installed "
+                '(pip install -e ".[bench]")',
+                file=sys.stderr,
+            )
+            continue
+        chosen.append(contender)
+    for index, source in enumerate(sources, start=1):
+        source = source.resolve()
+        if not (source / "ddpcli" / "__main__.py").is_file():
+            sys.exit(f"--ddpcli-src {source}: no ddpcli/__main__.py there")
+        label = f"ddpcli ({source.name})"
+        chosen.insert(index, Contender(f"ddpcli_src{index}", label, None, None, source))
+    return chosen
+
+
+def main() -> None:
+    args = parse_args()
+    threads = args.threads or max(1, cpu_cores() // args.nproc)
+    work = Work(args.arch, args.image_size, args.batch, args.nproc, args.steps, threads)
+    tiny = Work(args.arch, args.tiny_image_size, args.batch, args.nproc, args.tiny_steps, threads)
+    contenders = chosen_contenders(args.contenders, args.ddpcli_src)
+    kinds = [(kind, w) for kind, w, skip in (("throughput", work, args.no_throughput),
+                                             ("tiny", tiny, args.no_tiny)) if not skip]  # fmt: skip
+    print(f"machine: {machine_line()}; load average {os.getloadavg()[0]:.2f} at start", flush=True)
+    results = Results()
+    for round_ in range(1, args.repeats + 1):
+        for kind, kind_work in kinds:
+            for contender in contenders:
+                run = run_contender(contender, kind_work, kind, round_, args.timeout)
+                results.runs.append(run)
+                report_run(run, args.repeats)
+    print(f"load average {os.getloadavg()[0]:.2f} at the end")
+    if not args.no_throughput:
+        print_throughput_table(results, contenders, work)
+    if not args.no_tiny:
+        print_tiny_table(results, contenders, tiny)
+    if args.json:
+        document = {
+            "machine": machine_line(),
+            "work": work.__dict__,
+            "tiny": tiny.__dict__,
+            "runs": [run.__dict__ for run in results.runs],
+        }
+        args.json.write_text(json.dumps(document, indent=2) + "\n")
+    if any(run.error for run in results.runs):
+        sys.exit(1)
+
+
+def report_run(run: Run, rounds: int) -> None:
+    where = f"round {run.round}/{rounds} {run.kind:<10} {run.contender:<11}"
+    if run.error:
+        print(f"{where} FAILED ({run.wall_s:.1f} s): {run.error}", file=sys.stderr, flush=True)
+    elif run.kind == "throughput":
+        print(
+            f"{where} {run.images_per_sec:7.1f} img/s  ({run.wall_s:.1f} s, "
+            f"load {run.load_before:.2f} before)",
+            file=sys.stderr,
+            flush=True,
+        )
+    else:
+        print(
+            f"{where} {run.wall_s:7.2f} s  (load {run.load_before:.2f} before)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
