@@ -180,22 +180,64 @@ def run_bounded(
 
 
 def end_session(process: subprocess.Popen) -> None:
-    """SIGTERM the run's process group, SIGKILL what is left after a grace period."""
-    try:
-        os.killpg(process.pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
+    """SIGTERM the run's process group and every descendant (elastic agents start their
+    workers in sessions of their own), SIGKILL what is left after a grace period."""
+    tree = descendants(process.pid)
+    signal_all(process.pid, tree, signal.SIGTERM)
     deadline = time.monotonic() + KILL_GRACE_S
     while time.monotonic() < deadline:
         process.poll()  # reap the leader, or the group never empties
-        try:
-            os.killpg(process.pid, 0)
-        except ProcessLookupError:
+        tree = [pid for pid in tree if alive(pid)]
+        if not tree and not group_alive(process.pid):
             return
         time.sleep(0.1)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGKILL)
+    signal_all(process.pid, tree, signal.SIGKILL)
     process.wait()
+
+
+def descendants(root: int) -> list[int]:
+    """Every process below `root`, read from /proc (empty where there is no /proc)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def signal_all(group: int, pids: list[int], sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(group, sig)
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, sig)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def group_alive(group: int) -> bool:
+    try:
+        os.killpg(group, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def run_contender(contender: Contender, work: Work, kind: str, round_: int, timeout_s: float):
@@ -246,12 +288,10 @@ def print_throughput_table(results: Results, contenders: list[Contender], work: 
 
 
 def print_ratio(results: Results, contenders: list[Contender]) -> None:
-    """Each ddpcli against the peer with the best median, also paired round by round."""
-    peers = {
-        c.name: results.values(c.name, "throughput", "images_per_sec")
-        for c in contenders
-        if c.script is not None
-    }
+    """Each ddpcli against the peer with the best median, and round by round against the
+    fastest peer of that round."""
+    peer_names = [c.name for c in contenders if c.script is not None]
+    peers = {name: results.values(name, "throughput", "images_per_sec") for name in peer_names}
     peers = {name: rates for name, rates in peers.items() if rates}
     if not peers:
         return
@@ -262,19 +302,23 @@ def print_ratio(results: Results, contenders: list[Contender]) -> None:
         if not rates:
             continue
         ratio = statistics.median(rates) / statistics.median(peers[fastest])
-        paired = paired_ratios(results, ours.name, fastest)
+        paired = paired_ratios(results, ours.name, list(peers))
         spread = f"; per round {min(paired):.3f}-{max(paired):.3f}" if paired else ""
         print(f"{ours.label} / fastest peer ({label}): {ratio:.3f} (medians{spread})")
 
 
-def paired_ratios(results: Results, ours: str, peer: str) -> list[float]:
+def paired_ratios(results: Results, ours: str, peers: list[str]) -> list[float]:
+    """Per round: ours / the best of the peers that ran in that round."""
     by_round: dict[int, dict[str, float]] = {}
     for run in results.runs:
         if run.kind == "throughput" and run.error is None:
             by_round.setdefault(run.round, {})[run.contender] = run.images_per_sec
-    return [
-        rates[ours] / rates[peer] for rates in by_round.values() if ours in rates and peer in rates
-    ]
+    ratios = []
+    for rates in by_round.values():
+        best = max((rates[name] for name in peers if name in rates), default=None)
+        if ours in rates and best:
+            ratios.append(rates[ours] / best)
+    return ratios
 
 
 def print_tiny_table(results: Results, contenders: list[Contender], tiny: Work) -> None:

@@ -337,6 +337,14 @@ class TensorBatches:
         pad = CROP_PADDING
         top, left, flips = augmentation_draws(self.seed, self.epoch, indices)
         padded = F.pad(images, (pad, pad, pad, pad))
+        if images.device.type == "cpu":
+            # A slice per sample is ~9x cheaper on the CPU than the 4-D gather; same pixels.
+            out = torch.empty_like(images)
+            draws = zip(top.tolist(), left.tolist(), flips.tolist(), strict=True)
+            for row, (y, x, flip) in enumerate(draws):
+                crop = padded[row, :, y : y + height, x : x + width]
+                out[row] = crop.flip(2) if flip else crop
+            return out
         rows = top.view(count, 1) + torch.arange(height, device=self.device)
         cols = left.view(count, 1) + torch.arange(width, device=self.device)
         cols = torch.where(flips.view(count, 1), cols.flip(1), cols)

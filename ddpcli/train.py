@@ -72,12 +72,12 @@ def build_optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer
         {"params": decay, "weight_decay": cfg.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-    # One fused kernel for the whole update on GPUs; on the CPU foreach is the fast one.
-    on_gpu = next(model.parameters()).is_cuda
-    implementation = {"fused": True} if on_gpu else {"foreach": True}
-    return torch.optim.SGD(
-        groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=True, **implementation
-    )
+    # One fused kernel for the whole update, on GPUs and on the CPU alike: on the CPU
+    # foreach is the slowest choice (resnet18 step(): fused 5-6 ms, foreach 25-33 ms).
+    try:
+        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=True, fused=True)
+    except (RuntimeError, ValueError):  # an older torch without fused SGD for this device
+        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=True)
 
 
 def warmup_cosine(total_steps: int, warmup_steps: int):

@@ -60,8 +60,29 @@ def choose_data_path(cfg: TrainConfig, ctx: DistContext) -> bool:
     return images * 3 * cfg.image_size**2 < DEVICE_DATA_FRACTION * free
 
 
+def keep_freed_memory() -> None:
+    """glibc hands large freed blocks back to the kernel, and every step then page-faults
+    them in again (20-24 k faults, 53-64 ms system time per resnet18 step on 2 cores).
+    Fixed thresholds keep them in the heap (docs/performance.md). A user's own malloc
+    setting wins; on a C library other than glibc there is nothing to do."""
+    if "MALLOC_MMAP_THRESHOLD_" in os.environ or "glibc.malloc" in os.environ.get(
+        "GLIBC_TUNABLES", ""
+    ):
+        return
+    import ctypes
+
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    mallopt(m_mmap_threshold, 32 << 20)  # glibc's maximum; also ends its dynamic threshold
+    mallopt(m_trim_threshold, 1 << 30)
+
+
 def run_worker(cfg: TrainConfig, env: LauncherEnv) -> dict:
     torch.set_num_threads(max(1, cpu_count() // max(1, env.local_world_size)))
+    keep_freed_memory()
     if env.restart_count > 0 and cfg.resume is None:
         cfg = cfg.model_copy(update={"resume": "auto"})  # the agent restarted us: continue
         if env.rank == 0:
