@@ -15,6 +15,7 @@ from ddpcli import ui
 from ddpcli.barrier import BarrierTimeout, run_rank
 from ddpcli.config import BarrierConfig, read_launcher_env
 from ddpcli.errors import DdpcliError
+from ddpcli.process import skip_exit_collection
 
 
 @record
@@ -23,6 +24,7 @@ def main(argv: list[str]) -> None:
     env = read_launcher_env()
     try:
         run_rank(cfg, env, workdir=Path(argv[2]))
+        skip_exit_collection()
     except BarrierTimeout as error:
         # Quiet: the launching process sums up what every rank left behind.
         os._exit(error.exit_code)  # the group is stuck: skip teardown that would wait on it

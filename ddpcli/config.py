@@ -363,7 +363,8 @@ def check_interface(name: str) -> None:
 def resolve_train_config(cfg: TrainConfig, launcher: LauncherEnv | None) -> TrainConfig:
     """Fill every "auto" value from the machine and check what only the machine can tell:
     GPUs that exist, data that is there, a model name torchvision knows."""
-    from ddpcli import data, models
+    from ddpcli import data
+    from ddpcli.archs import check_arch
 
     values = cfg.model_dump()
     if launcher is None:
@@ -375,7 +376,7 @@ def resolve_train_config(cfg: TrainConfig, launcher: LauncherEnv | None) -> Trai
     _check_strategy(values, launcher)
     on_gpu = not values["cpu"]
     values["arch"] = values["arch"] or ("resnet18" if on_gpu else "smallcnn")
-    models.check_arch(values["arch"])
+    check_arch(values["arch"])
     if values["image_size"] is None:
         native = {"synthetic": 32, "stl10": data.STL10_SIDE, "imagefolder": 224 if on_gpu else 64}
         values["image_size"] = native[cfg.dataset]

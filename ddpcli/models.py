@@ -7,7 +7,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ddpcli.errors import usage_error
+from ddpcli.archs import check_arch
 
 
 def _conv_bn(in_channels: int, out_channels: int) -> nn.Sequential:
@@ -44,30 +44,11 @@ class TinyCNN(SmallCNN):
         super().__init__(num_classes, width=8)
 
 
+# Keep in step with archs.BUILTIN_ARCHS, which the launcher checks names against.
 BUILTIN_MODELS: dict[str, Callable[..., nn.Module]] = {
     "smallcnn": SmallCNN,
     "tinycnn": TinyCNN,
 }
-
-
-def torchvision_classifiers() -> list[str]:
-    import torchvision
-
-    return sorted(torchvision.models.list_models(module=torchvision.models))
-
-
-def available_models() -> list[str]:
-    return sorted(BUILTIN_MODELS) + torchvision_classifiers()
-
-
-def check_arch(name: str) -> None:
-    if name in BUILTIN_MODELS or name in torchvision_classifiers():
-        return
-    examples = ", ".join(list(BUILTIN_MODELS) + ["resnet18", "resnet50", "mobilenet_v3_small"])
-    raise usage_error(
-        f"invalid --arch: unknown model {name!r}; use a torchvision classifier name or a "
-        f"built-in one (e.g. {examples})"
-    )
 
 
 def build_model(name: str, num_classes: int) -> nn.Module:

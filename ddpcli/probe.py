@@ -1094,6 +1094,7 @@ def main(argv: list[str]) -> None:
     began = time.time()
     request = json.loads(Path(argv[1]).read_text())
     from ddpcli.config import read_launcher_env
+    from ddpcli.process import skip_exit_collection
 
     env = read_launcher_env()
     log = StageLog(Path(request["workdir"]) / f"rank-{env.rank}.jsonl", request["budgets"])
@@ -1101,6 +1102,7 @@ def main(argv: list[str]) -> None:
     start_watchdog(log, request["parent_pid"])
     try:
         run_stages(env, request, log)
+        skip_exit_collection()
     except StageFailed:
         sys.stdout.flush()
         sys.stderr.flush()

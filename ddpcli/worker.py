@@ -27,6 +27,7 @@ from ddpcli.config import (
 from ddpcli.data import DataPipeline, load_splits
 from ddpcli.dist import DistContext, first_line, init_distributed, shutdown
 from ddpcli.errors import DdpcliError
+from ddpcli.process import keep_freed_memory, skip_exit_collection
 from ddpcli.train import Trainer
 
 SUMMARY_FILE = "summary.json"
@@ -58,26 +59,6 @@ def choose_data_path(cfg: TrainConfig, ctx: DistContext) -> bool:
     free, _ = torch.cuda.mem_get_info(ctx.device)
     images = cfg.synthetic_size * 1.25 if cfg.dataset == "synthetic" else 13_000  # train + val
     return images * 3 * cfg.image_size**2 < DEVICE_DATA_FRACTION * free
-
-
-def keep_freed_memory() -> None:
-    """glibc hands large freed blocks back to the kernel, and every step then page-faults
-    them in again (20-24 k faults, 53-64 ms system time per resnet18 step on 2 cores).
-    Fixed thresholds keep them in the heap (docs/performance.md). A user's own malloc
-    setting wins; on a C library other than glibc there is nothing to do."""
-    if "MALLOC_MMAP_THRESHOLD_" in os.environ or "glibc.malloc" in os.environ.get(
-        "GLIBC_TUNABLES", ""
-    ):
-        return
-    import ctypes
-
-    try:
-        mallopt = ctypes.CDLL("libc.so.6").mallopt
-    except (OSError, AttributeError):
-        return
-    m_trim_threshold, m_mmap_threshold = -1, -3
-    mallopt(m_mmap_threshold, 32 << 20)  # glibc's maximum; also ends its dynamic threshold
-    mallopt(m_trim_threshold, 1 << 30)
 
 
 def run_worker(cfg: TrainConfig, env: LauncherEnv) -> dict:
@@ -158,6 +139,7 @@ def main(argv: list[str]) -> None:
     env = read_launcher_env()
     try:
         run_worker(cfg, env)
+        skip_exit_collection()
     except DdpcliError as error:
         prefix = "" if error.message.startswith("rank ") else f"rank {env.rank}: "
         exit_with_error(prefix + error.message, error.exit_code)

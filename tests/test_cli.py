@@ -119,3 +119,27 @@ def test_legacy_local_rank_argument_moves_to_the_environment():
         "train",
     ]
     assert environ == {"LOCAL_RANK": "1"}
+
+
+def test_launcher_checks_a_torchvision_arch_without_importing_torchvision():
+    result = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "ddpcli", "train", "--cpu", "--arch",
+         "resnet18", "--dry-run"],
+        capture_output=True, text=True, timeout=60, cwd=REPO,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    imported = [line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines()]
+    assert "torchvision" not in imported
+    assert "arch = resnet18" in result.stdout
+
+
+def test_known_arch_names_match_the_installed_torchvision_and_the_builtins():
+    import torchvision
+
+    from ddpcli import archs, models
+
+    installed = set(torchvision.models.list_models(module=torchvision.models))
+    assert not archs.KNOWN_TORCHVISION_CLASSIFIERS - installed  # no name it lacks
+    assert set(archs.BUILTIN_ARCHS) == set(models.BUILTIN_MODELS)
+    missing = sorted(installed - archs.KNOWN_TORCHVISION_CLASSIFIERS)
+    archs.check_arch(missing[0] if missing else "resnet18")  # the fallback finds newer names

@@ -54,6 +54,9 @@ def run_command(action, json_output: bool = False) -> None:
     except KeyboardInterrupt:
         ui.error("interrupted")
         raise typer.Exit(130) from None
+    except BrokenPipeError:  # `ddpcli ... | head`: the reader left; say nothing more
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise typer.Exit(0) from None
     except Exception as error:  # an unexpected failure: one line, traceback on request
         if debug_requested(_state["debug"]):
             traceback.print_exc()
@@ -84,8 +87,13 @@ def adopt_legacy_local_rank(argv: list[str], environ) -> list[str]:
 
 
 def main() -> None:
+    from ddpcli.process import skip_exit_collection
+
     sys.argv = adopt_legacy_local_rank(sys.argv, os.environ)
-    app()
+    try:
+        app()
+    finally:
+        skip_exit_collection()
 
 
 # Each module registers its command(s) on `app` when imported.
