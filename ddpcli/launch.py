@@ -18,12 +18,14 @@ from pathlib import Path
 from ddpcli import ui
 from ddpcli.config import TrainConfig, cpu_count, read_launcher_env
 from ddpcli.errors import USAGE, DdpcliError, runtime_error, usage_error
+from ddpcli.process import freeze_imported_objects
 
 WORKER_MODULE = "ddpcli.worker"
 
 
 def launch_train(cfg: TrainConfig, debug: bool = False) -> dict:
     """Run the training job and return rank 0's summary."""
+    freeze_imported_objects()
     launcher = read_launcher_env()
     if launcher is not None:
         from ddpcli.worker import run_worker

@@ -27,7 +27,7 @@ from ddpcli.config import (
 from ddpcli.data import DataPipeline, load_splits
 from ddpcli.dist import DistContext, first_line, init_distributed, shutdown
 from ddpcli.errors import DdpcliError
-from ddpcli.process import keep_freed_memory, skip_exit_collection
+from ddpcli.process import freeze_imported_objects, keep_freed_memory, skip_exit_collection
 from ddpcli.train import Trainer
 
 SUMMARY_FILE = "summary.json"
@@ -133,6 +133,7 @@ def exit_with_error(message: str, exit_code: int) -> None:
 @record
 def main(argv: list[str]) -> None:
     die_with_agent()
+    freeze_imported_objects()
     # When the agent stops a stuck job (SIGTERM), say where this rank was waiting first.
     faulthandler.register(signal.SIGTERM, chain=True)
     cfg = TrainConfig.model_validate_json(Path(argv[1]).read_text())
