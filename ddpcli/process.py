@@ -39,8 +39,8 @@ def freeze_imported_objects() -> None:
 def skip_exit_collection() -> None:
     """At exit the interpreter's cyclic collector walks every live object several times:
     0.6 s of a 0.75 s exit with torch and torchvision loaded, in every worker and in the
-    launcher. One collection now frees what the run left in reference cycles while the
-    interpreter is still whole (DDP's reducer holds the process group, and Gloo's threads
-    must not outlive the interpreter); freezing the rest leaves the exit nothing to walk."""
+    launcher. One collection now still frees whatever the run left in reference cycles,
+    as the exit would have, but while the interpreter is whole (Gloo's threads must not
+    meet a half torn-down interpreter); freezing the rest leaves the exit nothing to walk."""
     gc.collect()
     gc.freeze()
