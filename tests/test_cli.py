@@ -11,14 +11,19 @@ from conftest import REPO, run_cli
 COMMANDS = [["--help"], ["train", "--help"], ["checkpoint", "--help"]]
 
 
-@pytest.mark.parametrize("args", COMMANDS, ids=lambda a: " ".join(a))
-def test_help_answers_without_importing_torch(args):
+def run_importing(*args: str) -> tuple[subprocess.CompletedProcess, list[str]]:
+    """Run `python -m ddpcli ARGS`; return the result and every module it imported."""
     result = subprocess.run(
         [sys.executable, "-X", "importtime", "-m", "ddpcli", *args],
         capture_output=True, text=True, timeout=60, cwd=REPO,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
-    imported = [line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines()]
+    return result, [line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines()]
+
+
+@pytest.mark.parametrize("args", COMMANDS, ids=lambda a: " ".join(a))
+def test_help_answers_without_importing_torch(args):
+    result, imported = run_importing(*args)
     assert "torch" not in imported
     assert "Usage" in result.stdout
 
@@ -122,13 +127,7 @@ def test_legacy_local_rank_argument_moves_to_the_environment():
 
 
 def test_launcher_checks_a_torchvision_arch_without_importing_torchvision():
-    result = subprocess.run(
-        [sys.executable, "-X", "importtime", "-m", "ddpcli", "train", "--cpu", "--arch",
-         "resnet18", "--dry-run"],
-        capture_output=True, text=True, timeout=60, cwd=REPO,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr
-    imported = [line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines()]
+    result, imported = run_importing("train", "--cpu", "--arch", "resnet18", "--dry-run")
     assert "torchvision" not in imported
     assert "arch = resnet18" in result.stdout
 
