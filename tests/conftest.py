@@ -9,6 +9,8 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -76,6 +78,51 @@ def run_bounded(command: list[str], timeout: float, env: dict | None = None, cwd
 def kill_group(pid: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, signal.SIGKILL)
+
+
+class LiveProcess:
+    """A command in its own session, its stderr read line by line as it comes, so that a
+    test can act at a chosen moment (kill a worker mid-epoch, cut a node off)."""
+
+    def __init__(self, command: list[str], env: dict[str, str] | None = None):
+        self.process = subprocess.Popen(
+            command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+            env=env or clean_env(), cwd=REPO, start_new_session=True,
+        )  # fmt: skip
+        self.lines: list[str] = []
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        for line in self.process.stderr:
+            self.lines.append(line)
+
+    @property
+    def stderr(self) -> str:
+        return "".join(self.lines)
+
+    def wait_for(self, text: str, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not any(text in line for line in list(self.lines)):
+            if not self.reader.is_alive():
+                raise AssertionError(f"ended before printing {text!r}:\n{self.stderr[-3000:]}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no {text!r} within {timeout}s:\n{self.stderr[-3000:]}")
+            time.sleep(0.05)
+
+    def finish(self, timeout: float) -> int:
+        try:
+            code = self.process.wait(timeout=max(1.0, timeout))
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"running after {timeout}s:\n{self.stderr[-3000:]}") from None
+        self.reader.join(timeout=10)
+        return code
+
+    def kill(self) -> None:
+        """The process group; workers in sessions of their own need their own kill."""
+        kill_group(self.process.pid)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(timeout=30)
 
 
 def has_cuda() -> bool:

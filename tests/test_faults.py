@@ -14,12 +14,20 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, clean_env, free_port, kill_group, read_metrics, run_bounded, run_cli
+from conftest import (
+    REPO,
+    LiveProcess,
+    clean_env,
+    free_port,
+    kill_group,
+    read_metrics,
+    run_bounded,
+    run_cli,
+)
 
 from ddpcli.config import read_launcher_env
 
@@ -82,54 +90,20 @@ def assert_no_worker_left(out: Path, grace_s: float = 5) -> None:
     assert not left, f"workers left behind: {left}"
 
 
-class Background:
-    """`python -m ddpcli ARGS` in its own session, its stderr read line by line so a test
-    can act at a chosen moment (kill a worker mid-epoch). On leaving the block the
-    launcher's process group and its workers (each in a session of its own) are killed."""
+class Background(LiveProcess):
+    """`python -m ddpcli ARGS`, read as it runs. On leaving the block the launcher's
+    process group and its workers (each in a session of its own) are killed."""
 
     def __init__(self, *args: str, env: dict[str, str] | None = None):
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "ddpcli", *args],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env or clean_env(),
-            cwd=REPO,
-            start_new_session=True,
-        )
-        self.lines: list[str] = []
-        self.reader = threading.Thread(target=self._read, daemon=True)
-        self.reader.start()
-
-    def _read(self) -> None:
-        for line in self.process.stderr:
-            self.lines.append(line)
-
-    @property
-    def stderr(self) -> str:
-        return "".join(self.lines)
+        super().__init__([sys.executable, "-m", "ddpcli", *args], env)
 
     def wait_for(self, text: str, timeout: float = STARTUP_S) -> None:
-        deadline = time.monotonic() + timeout
-        while not any(text in line for line in list(self.lines)):
-            if not self.reader.is_alive():
-                raise AssertionError(f"ended before printing {text!r}:\n{self.stderr[-3000:]}")
-            if time.monotonic() > deadline:
-                raise AssertionError(f"no {text!r} within {timeout}s:\n{self.stderr[-3000:]}")
-            time.sleep(0.05)
+        super().wait_for(text, timeout)
 
     def kill_worker(self, rank: int) -> None:
         workers = child_workers(self.process.pid)
         assert rank in workers, f"no worker of rank {rank} among {workers}"
         os.kill(workers[rank], signal.SIGKILL)
-
-    def finish(self, timeout: float) -> int:
-        try:
-            code = self.process.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            raise AssertionError(f"running after {timeout}s:\n{self.stderr[-3000:]}") from None
-        self.reader.join(timeout=10)
-        return code
 
     def __enter__(self) -> Background:
         return self
@@ -137,8 +111,7 @@ class Background:
     def __exit__(self, *exc) -> None:
         for pid in child_workers(self.process.pid).values():
             kill_pid(pid)
-        kill_group(self.process.pid)
-        self.process.wait(timeout=30)
+        self.kill()
 
 
 def kill_pid(pid: int) -> None:

@@ -14,12 +14,11 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, clean_env, free_port, kill_group, read_metrics, run_cli
+from conftest import LiveProcess, clean_env, free_port, read_metrics, run_cli
 from netns import Host, two_hosts
 
 from ddpcli.config import TrainConfig
@@ -30,51 +29,10 @@ ONE_EPOCH = [*TINY, "--synthetic-size", "256", "--epochs", "1"]
 RUN_TIMEOUT_S = 150
 
 
-class Node:
-    """One `ddpcli train` node in its own session, its stderr read line by line."""
-
-    def __init__(self, command: list[str], env: dict[str, str] | None = None):
-        self.process = subprocess.Popen(
-            command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-            env=env or clean_env(), cwd=REPO, start_new_session=True,
-        )  # fmt: skip
-        self.lines: list[str] = []
-        self.reader = threading.Thread(target=self._read, daemon=True)
-        self.reader.start()
-
-    def _read(self) -> None:
-        for line in self.process.stderr:
-            self.lines.append(line)
-
-    @property
-    def stderr(self) -> str:
-        return "".join(self.lines)
-
-    def wait_for(self, text: str, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while not any(text in line for line in list(self.lines)):
-            if not self.reader.is_alive() or time.monotonic() > deadline:
-                raise AssertionError(f"no {text!r} within {timeout}s:\n{self.stderr[-3000:]}")
-            time.sleep(0.05)
-
-    def finish(self, deadline: float) -> int:
-        try:
-            code = self.process.wait(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            raise AssertionError(f"node still running:\n{self.stderr[-3000:]}") from None
-        self.reader.join(timeout=10)
-        return code
-
-    def kill(self) -> None:
-        kill_group(self.process.pid)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.process.wait(timeout=30)
-
-
 @contextlib.contextmanager
 def nodes(commands: list[list[str]], env: dict[str, str] | None = None):
     """Start every node at once, as people do on a cluster; kill them all at the end."""
-    started = [Node(command, env) for command in commands]
+    started = [LiveProcess(command, env) for command in commands]
     try:
         yield started
     finally:
@@ -130,7 +88,7 @@ def test_two_hosts_train_as_one_world(hosts, tmp_path, init):
     # Each rank records the samples it trains on in trace.rank<global rank>.
     with nodes(commands, clean_env(DDPCLI_TRACE_SAMPLES=str(trace))) as (node0, node1):
         deadline = time.monotonic() + RUN_TIMEOUT_S
-        codes = [node0.finish(deadline), node1.finish(deadline)]
+        codes = [node.finish(deadline - time.monotonic()) for node in (node0, node1)]
     assert codes == [0, 0], (node0.stderr[-2000:], node1.stderr[-2000:])
     metrics = read_metrics(outs[0])
     assert len(metrics) == 1 and metrics[0]["world_size"] == 2  # one world of 2
@@ -166,7 +124,7 @@ def test_node_cut_off_mid_run_ends_both_within_the_timeout(hosts, tmp_path):
             check=True, timeout=10,
         )  # fmt: skip
         cut_at = time.monotonic()
-        codes = [node0.finish(cut_at + 60), node1.finish(cut_at + 60)]
+        codes = [node.finish(cut_at + 60 - time.monotonic()) for node in (node0, node1)]
         ended_after = time.monotonic() - cut_at
     assert codes == [1, 1], (node0.stderr[-2000:], node1.stderr[-2000:])
     assert ended_after < 15 + 30  # --timeout, plus the agents' own shutdown
@@ -244,7 +202,7 @@ def test_missing_node_times_out_naming_it(tmp_path):
     started = time.monotonic()
     with nodes(commands) as (node0, node1, lonely):
         deadline = started + 90
-        codes = [node0.finish(deadline), node1.finish(deadline), lonely.finish(deadline)]
+        codes = [node.finish(deadline - time.monotonic()) for node in (node0, node1, lonely)]
     assert codes == [1, 1, 1], (node0.stderr, node1.stderr, lonely.stderr)
     assert time.monotonic() - started < 60
     assert "only 2 of 3 nodes joined" in node0.stderr, node0.stderr
