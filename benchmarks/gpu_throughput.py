@@ -38,14 +38,14 @@ import json
 import os
 import platform
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from _bounded import run_bounded
 
 ROOT = Path(__file__).resolve().parent.parent
 PEERS = Path(__file__).resolve().parent / "peers"
@@ -155,25 +155,6 @@ def contender_command(contender: Contender, setup: Setup, scratch: Path, nproc: 
     ]  # fmt: skip
 
 
-def run_bounded(argv: list[str], env: dict, log: Path, timeout_s: float) -> tuple[int, float]:
-    """Run in its own session; whatever is left of the tree afterwards is ended."""
-    start = time.perf_counter()
-    with open(log, "wb") as output:
-        process = subprocess.Popen(
-            argv, cwd=ROOT, env=env, stdout=output, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, start_new_session=True,
-        )  # fmt: skip
-        try:
-            code = process.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            code = 124
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-    return code, time.perf_counter() - start
-
-
 def read_figures(contender: Contender, scratch: Path) -> dict:
     if contender.script is None:
         lines = (scratch / "out" / "metrics.jsonl").read_text().splitlines()
@@ -187,7 +168,7 @@ def run_contender(contender: Contender, setup: Setup, round_: int, timeout_s: fl
         log = scratch / "output.log"
         started_at = time.time()
         code, wall_s = run_bounded(
-            command(contender, setup, scratch), clean_environment(setup), log, timeout_s
+            command(contender, setup, scratch), clean_environment(setup), ROOT, log, timeout_s
         )
         run = Run(contender.name, round_, wall_s)
         if code != 0:
@@ -607,7 +588,7 @@ def measure_child(setup: Setup, jpeg_dir: Path, scratch: Path, timeout_s: float)
     setup_file.write_text(json.dumps(asdict(setup)))
     argv = [sys.executable, __file__, "--measure-in-process", str(setup_file), str(jpeg_dir),
             str(out)]  # fmt: skip
-    code, _ = run_bounded(argv, clean_environment(setup), scratch / "measure.log", timeout_s)
+    code, _ = run_bounded(argv, clean_environment(setup), ROOT, scratch / "measure.log", timeout_s)
     if code != 0:
         tail = (scratch / "measure.log").read_text(errors="replace").strip().splitlines()[-6:]
         sys.exit("in-process measurements failed:\n" + "\n".join(tail))
