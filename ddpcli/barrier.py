@@ -34,8 +34,8 @@ import torch.distributed as dist
 
 from ddpcli import ui
 from ddpcli.config import BarrierConfig, LauncherEnv, cpu_count, read_launcher_env
-from ddpcli.dist import DistContext, first_line, init_distributed, shutdown, zero_first
-from ddpcli.errors import RUNTIME, DdpcliError, runtime_error, usage_error
+from ddpcli.dist import DistContext, init_distributed, shutdown, zero_first
+from ddpcli.errors import RUNTIME, DdpcliError, first_line, runtime_error, usage_error
 
 WORKER_MODULE = "ddpcli.barrier_worker"
 RESULT_FILE = "result.json"

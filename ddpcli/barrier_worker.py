@@ -11,11 +11,10 @@ from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from ddpcli import ui
 from ddpcli.barrier import BarrierTimeout, run_rank
 from ddpcli.config import BarrierConfig, read_launcher_env
 from ddpcli.errors import DdpcliError
-from ddpcli.process import skip_exit_collection
+from ddpcli.process import exit_with_error, skip_exit_collection
 
 
 @record
@@ -29,9 +28,7 @@ def main(argv: list[str]) -> None:
         # Quiet: the launching process sums up what every rank left behind.
         os._exit(error.exit_code)  # the group is stuck: skip teardown that would wait on it
     except DdpcliError as error:
-        ui.error(f"rank {env.rank}: {error.message}")
-        sys.stderr.flush()
-        os._exit(error.exit_code)  # skip atexit hooks that could wait on dead peers
+        exit_with_error(f"rank {env.rank}: {error.message}", error.exit_code)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ddpcli.errors import usage_error
+from ddpcli.errors import first_line, usage_error
 
 FORMAT = "ddpcli-checkpoint-v1"
 DDP_PREFIX = "module."
@@ -222,7 +222,7 @@ def _corruption_detail(path: Path, error: Exception) -> str:
         zipped = handle.read(2) == b"PK"
     if zipped and not _is_zip(path):
         return "the zip archive torch.save writes is cut short: it has no central directory"
-    return f"{type(error).__name__}: {_first_line(error)}"
+    return f"{type(error).__name__}: {first_line(error, limit=200)}"
 
 
 def _refusal(path: Path, error: pickle.UnpicklingError):
@@ -236,16 +236,11 @@ def _refusal(path: Path, error: pickle.UnpicklingError):
             "run code; only tensors and plain types are loaded (weights_only=True), nothing ran"
         )
     opcode = re.search(r"Unsupported operand (\d+)", text)
-    detail = f"pickle opcode {opcode.group(1)}" if opcode else _first_line(error)
+    detail = f"pickle opcode {opcode.group(1)}" if opcode else first_line(error, limit=200)
     return usage_error(
         f"refused {path}: it is corrupt or not written by torch.save ({detail} is not allowed "
         "in a weights-only load); nothing in it ran"
     )
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return text[0][:200] if text else type(error).__name__
 
 
 def strip_ddp_prefix(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -630,7 +625,7 @@ def _check_model(payload: Any, arch: str | None, num_classes: int | None) -> dic
     try:
         model = build_model_skeleton(arch, classes)
     except Exception as error:  # an unknown arch is a verdict on the file, not a crash
-        return {"check": "model", "status": "fail", "detail": _first_line(error)}
+        return {"check": "model", "status": "fail", "detail": first_line(error, limit=200)}
     problems = state_dict_mismatch(model, state)
     if problems:
         return {"check": "model", "status": "fail", "detail": "; ".join(problems)}

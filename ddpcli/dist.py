@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ddpcli.config import LauncherEnv
-from ddpcli.errors import runtime_error, usage_error
+from ddpcli.errors import first_line, runtime_error, usage_error
 
 
 @dataclass(frozen=True)
@@ -174,8 +174,3 @@ def broadcast_object(value, ctx: DistContext, src: int = 0):
     holder = [value]
     dist.broadcast_object_list(holder, src=src)
     return holder[0]
-
-
-def first_line(error: BaseException) -> str:
-    text = str(error).strip() or type(error).__name__
-    return text.splitlines()[0][:300]

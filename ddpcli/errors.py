@@ -19,3 +19,9 @@ def usage_error(message: str) -> DdpcliError:
 
 def runtime_error(message: str) -> DdpcliError:
     return DdpcliError(message, RUNTIME)
+
+
+def first_line(error: BaseException, limit: int = 300) -> str:
+    """An exception in one line for a message: its first line, or its type if it says nothing."""
+    text = str(error).strip() or type(error).__name__
+    return text.splitlines()[0][:limit]

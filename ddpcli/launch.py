@@ -17,7 +17,7 @@ from pathlib import Path
 
 from ddpcli import ui
 from ddpcli.config import TrainConfig, cpu_count, read_launcher_env
-from ddpcli.errors import USAGE, DdpcliError, runtime_error, usage_error
+from ddpcli.errors import USAGE, DdpcliError, first_line, runtime_error, usage_error
 from ddpcli.process import freeze_imported_objects
 
 WORKER_MODULE = "ddpcli.worker"
@@ -250,11 +250,6 @@ def wait_for_port(job: WorkerJob) -> None:
                     "HOST --master-port PORT)"
                 ) from None
             time.sleep(0.5)
-
-
-def first_line(error: BaseException) -> str:
-    lines = str(error).strip().splitlines()
-    return lines[0][:300] if lines else type(error).__name__
 
 
 def _launch_elastic(cfg: TrainConfig, debug: bool) -> dict:

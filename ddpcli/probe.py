@@ -47,6 +47,7 @@ from ddpcli.envcheck import (
     software_versions,
     try_connect,
 )
+from ddpcli.errors import first_line
 
 STAGES = ("start", "init", "all_reduce", "facts", "barrier", "bandwidth", "p2p")
 STAGE_TITLES = {
@@ -1083,11 +1084,6 @@ def check_peer_to_peer(ctx, local_ranks: list[int]) -> StageResult:
     dist.barrier()
     node_pairs = len(local_ranks) * (len(local_ranks) - 1) // 2
     return StageResult(f"{pairs} pair(s) with this rank", {"node_pairs": node_pairs})
-
-
-def first_line(error: BaseException) -> str:
-    text = str(error).strip() or type(error).__name__
-    return text.splitlines()[0][:300]
 
 
 def main(argv: list[str]) -> None:

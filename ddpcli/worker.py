@@ -25,9 +25,14 @@ from ddpcli.config import (
     read_launcher_env,
 )
 from ddpcli.data import DataPipeline, load_splits
-from ddpcli.dist import DistContext, first_line, init_distributed, shutdown
-from ddpcli.errors import DdpcliError
-from ddpcli.process import freeze_imported_objects, keep_freed_memory, skip_exit_collection
+from ddpcli.dist import DistContext, init_distributed, shutdown
+from ddpcli.errors import DdpcliError, first_line
+from ddpcli.process import (
+    exit_with_error,
+    freeze_imported_objects,
+    keep_freed_memory,
+    skip_exit_collection,
+)
 from ddpcli.train import Trainer
 
 SUMMARY_FILE = "summary.json"
@@ -120,14 +125,6 @@ def die_with_agent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
     if os.getppid() != int(agent):  # the agent died before the line above
         os._exit(1)
-
-
-def exit_with_error(message: str, exit_code: int) -> None:
-    # The agent now stops the other ranks with SIGTERM, maybe this one too: no stack dump.
-    faulthandler.unregister(signal.SIGTERM)
-    ui.error(message)
-    sys.stderr.flush()
-    os._exit(exit_code)  # skip atexit hooks that could wait on dead peers
 
 
 @record
