@@ -86,25 +86,37 @@ class AugmentCollate:
 
 
 class Throughput:
-    """Images per second summed over ranks, after the first `warmup` steps."""
+    """Images per second summed over ranks, after the first `warmup` steps. On a GPU the
+    device is synchronised at the window's edges only, as ddpcli's StepTimer does; the
+    Unix time the first step finished is kept for "time to first step"."""
 
-    def __init__(self, warmup: int):
+    def __init__(self, warmup: int, device: torch.device | None = None):
         self.warmup = warmup
+        self.device = device or torch.device("cpu")
         self.steps = 0
         self.images = 0
-        self.start = time.perf_counter() if warmup == 0 else None
+        self.first_step_at: float | None = None
+        self.start = self._now() if warmup == 0 else None
+
+    def _now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
 
     def step(self, batch_images: int) -> None:
         self.steps += 1
+        if self.steps == 1:
+            self._now()
+            self.first_step_at = time.time()
         if self.steps == self.warmup:
-            self.start = time.perf_counter()
+            self.start = self._now()
         elif self.steps > self.warmup:
             self.images += batch_images
 
     def images_per_sec(self) -> float:
-        elapsed = time.perf_counter() - self.start if self.start is not None else 0.0
-        images = torch.tensor([float(self.images)])
-        slowest = torch.tensor([elapsed])
+        elapsed = self._now() - self.start if self.start is not None else 0.0
+        images = torch.tensor([float(self.images)], device=self.device)
+        slowest = torch.tensor([elapsed], device=self.device)
         if dist.is_initialized():
             dist.all_reduce(images, op=dist.ReduceOp.SUM)
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX)

@@ -14,11 +14,11 @@ import json
 import os
 import resource
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from _common import Throughput
 
 # The benchmark runs from any folder; the model registry is ddpcli's, so every contender
 # builds exactly the same network (torchvision names and the small built-in ones).
@@ -75,39 +75,6 @@ def autocast(precision: str, device: torch.device):
     return torch.autocast(device.type, dtype=dtype)
 
 
-class StepClock:
-    """Images per second after the first `warmup` steps, summed over ranks."""
-
-    def __init__(self, warmup: int, device: torch.device):
-        self.warmup, self.device = warmup, device
-        self.steps = self.images = 0
-        self.start: float | None = None
-        self.first_step_at: float | None = None
-
-    def _now(self) -> float:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter()
-
-    def step(self, batch_images: int) -> None:
-        self.steps += 1
-        if self.steps == 1:
-            self._now()
-            self.first_step_at = time.time()
-        if self.steps == self.warmup:
-            self.start = self._now()
-        elif self.steps > self.warmup:
-            self.images += batch_images
-
-    def images_per_sec(self) -> float:
-        elapsed = self._now() - self.start if self.start is not None else 0.0
-        images = torch.tensor([float(self.images)], device=self.device)
-        slowest = torch.tensor([elapsed], device=self.device)
-        dist.all_reduce(images, op=dist.ReduceOp.SUM)
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-        return images.item() / max(slowest.item(), 1e-9)
-
-
 def per_rank(value: float, device: torch.device) -> list[float]:
     values = torch.zeros(dist.get_world_size(), device=device, dtype=torch.float64)
     values[dist.get_rank()] = value
@@ -115,7 +82,7 @@ def per_rank(value: float, device: torch.device) -> list[float]:
     return [round(v, 1) for v in values.tolist()]
 
 
-def finish(args: argparse.Namespace, name: str, clock: StepClock, device: torch.device) -> None:
+def finish(args: argparse.Namespace, name: str, clock: Throughput, device: torch.device) -> None:
     """Reduce the figures, write rank 0's result, leave the group."""
     rate = clock.images_per_sec()
     rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

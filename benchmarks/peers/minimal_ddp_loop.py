@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from _speed_common import StepClock, autocast, build_model, finish, init, parse_args
+from _common import Throughput
+from _speed_common import autocast, build_model, finish, init, parse_args
 from torch.nn.parallel import DistributedDataParallel
 
 PAD = 4
@@ -38,7 +39,7 @@ def main() -> None:
     std = torch.tensor([0.229, 0.224, 0.225], device=device).view(1, 3, 1, 1)
     memory_format = torch.channels_last if on_gpu else torch.contiguous_format
 
-    clock = StepClock(args.warmup, device)
+    clock = Throughput(args.warmup, device)
     for step in range(args.total_steps):
         batch = slice(step * args.batch, (step + 1) * args.batch)
         x = F.pad(images[batch], (PAD, PAD, PAD, PAD))

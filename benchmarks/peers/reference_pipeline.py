@@ -18,7 +18,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from _speed_common import StepClock, autocast, build_model, finish, init, parse_args
+from _common import Throughput
+from _speed_common import autocast, build_model, finish, init, parse_args
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 
@@ -62,7 +63,7 @@ def main() -> None:
     loader = reference_loader(
         args.data_dir / "train", args.image_size, args.batch, args.workers, world_size, rank
     )
-    clock = StepClock(args.warmup, device)
+    clock = Throughput(args.warmup, device)
     model.train()
     epoch = 0
     while clock.steps < args.total_steps:
