@@ -342,8 +342,7 @@ class TensorBatches:
             out = torch.empty_like(images)
             draws = zip(top.tolist(), left.tolist(), flips.tolist(), strict=True)
             for row, (y, x, flip) in enumerate(draws):
-                crop = padded[row, :, y : y + height, x : x + width]
-                out[row] = crop.flip(2) if flip else crop
+                out[row] = crop_padded(padded[row], y, x, flip, height, width)
             return out
         rows = top.view(count, 1) + torch.arange(height, device=self.device)
         cols = left.view(count, 1) + torch.arange(width, device=self.device)
@@ -425,8 +424,15 @@ def crop_and_flip_one(image: torch.Tensor, index: int, seed: int, epoch: int) ->
     """The per-image twin of TensorBatches._crop_and_flip: same draws, same pixels."""
     top, left, flip = (int(v) for v in augmentation_draws(seed, epoch, torch.tensor([index])))
     pad, height, width = CROP_PADDING, image.shape[1], image.shape[2]
-    image = F.pad(image, (pad, pad, pad, pad))[:, top : top + height, left : left + width]
-    return image.flip(2) if flip else image
+    return crop_padded(F.pad(image, (pad, pad, pad, pad)), top, left, flip, height, width)
+
+
+def crop_padded(
+    padded: torch.Tensor, top: int, left: int, flip: bool, height: int, width: int
+) -> torch.Tensor:
+    """One (3, height, width) crop of a padded image at (top, left), mirrored if `flip`."""
+    crop = padded[:, top : top + height, left : left + width]
+    return crop.flip(2) if flip else crop
 
 
 class ShardSampler(torch.utils.data.Sampler):
