@@ -192,9 +192,11 @@ class Trainer:
         that is local to each node, node 0 may find last.pt where node 1 does not; training
         on anyway would desynchronise the ranks, so say what to do instead."""
         path = find_resume_path(self.cfg)
-        found = torch.tensor([float(path is not None)], device=self.ctx.device)
-        anyone = all_reduce_max(found.clone(), self.ctx).item()
-        everyone = -all_reduce_max(-found, self.ctx).item()
+        found = float(path is not None)
+        # One collective: the max of (found, -found) is (anyone found, -(everyone found)).
+        extremes = torch.tensor([found, -found], device=self.ctx.device)
+        anyone, minus_everyone = all_reduce_max(extremes, self.ctx).tolist()
+        everyone = -minus_everyone
         if anyone != everyone:
             raise runtime_error(
                 f"rank {self.ctx.rank}: {'found' if path else 'did not find'} the checkpoint to "
