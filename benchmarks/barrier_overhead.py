@@ -3,7 +3,7 @@
 Times barriers two ways in the same processes, in alternating rounds so that load on the
 machine hits both alike:
   - bare: a loop of dist.barrier() calls, each timed with time.perf_counter();
-  - ddpcli: ddpcli.barrier.time_barriers(), the loop behind `--iters`.
+  - ddpcli: ddpcli.timing.time_calls_ns(), the loop behind `--iters`.
 and prints the p50 (and p90, mean) of each, and their ratio. With --cli it also runs
 `ddpcli bench-barrier --demo none --json` with the same rank count and prints its p50.
 
@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ddpcli.barrier import time_barriers
+from ddpcli.timing import time_calls_ns
 
 
 def free_port() -> int:
@@ -77,7 +77,7 @@ def rank_main(rank: int, args: argparse.Namespace, port: int) -> None:
             if method == "bare":
                 measured["bare"] += [s * 1e6 for s in bare_loop(barrier_once, args.iters)]
             else:
-                measured["ddpcli"] += [ns / 1e3 for ns in time_barriers(barrier_once, args.iters)]
+                measured["ddpcli"] += [ns / 1e3 for ns in time_calls_ns(barrier_once, args.iters)]
     everyone = [None] * args.nproc if rank == 0 else None
     dist.gather_object(measured, everyone, dst=0)
     if rank == 0:
@@ -94,7 +94,7 @@ def print_figures(args: argparse.Namespace, everyone: list[dict]) -> None:
     p50 = {}
     for method, label in (
         ("bare", "bare loop, time.perf_counter()"),
-        ("ddpcli", "ddpcli.barrier.time_barriers()"),
+        ("ddpcli", "ddpcli.timing.time_calls_ns()"),
     ):
         samples = np.concatenate([ranks[method] for ranks in everyone])
         p50[method], p90 = np.percentile(samples, [50, 90])

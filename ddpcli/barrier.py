@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from time import perf_counter as clock
 from typing import Any, TextIO
 
 import numpy as np
@@ -33,9 +34,13 @@ import torch
 import torch.distributed as dist
 
 from ddpcli import ui
-from ddpcli.config import BarrierConfig, LauncherEnv, cpu_count, read_launcher_env
+from ddpcli.config import BarrierConfig
 from ddpcli.dist import DistContext, init_distributed, shutdown, zero_first
+from ddpcli.environments import LauncherEnv, read_launcher_env
 from ddpcli.errors import RUNTIME, DdpcliError, first_line, runtime_error, usage_error
+from ddpcli.launch import WorkerJob, run_workers, worker_environment
+from ddpcli.machine import check_gpu_indices, cpu_count
+from ddpcli.timing import bandwidth_gbps, percentiles_us, synchronize, time_calls_ns
 
 WORKER_MODULE = "ddpcli.barrier_worker"
 RESULT_FILE = "result.json"
@@ -50,16 +55,6 @@ COLLECTIVE_BYTES_PER_SIZE = 512 << 20  # big messages run fewer iterations: abou
 MIN_COLLECTIVE_ITERS = 3
 DEVICE_POLL_S = 0.0002
 DEMO_BARRIER = "demo"
-# nccl-tests' bus bandwidth: the factor that makes figures comparable across rank counts.
-BUS_FACTOR: dict[str, Callable[[int], float]] = {
-    "all_reduce": lambda n: 2 * (n - 1) / n,
-    "all_gather": lambda n: (n - 1) / n,
-    "broadcast": lambda n: 1.0,
-}
-
-
-def clock() -> float:
-    return time.perf_counter()
 
 
 class BarrierTimeout(DdpcliError):
@@ -320,18 +315,6 @@ def demo_summary(demo: str, rows: list[dict]) -> dict:
 # --- Latency of barrier() --------------------------------------------------------------
 
 
-def time_barriers(barrier_once: Callable[[], Any], count: int) -> list[int]:
-    """Nanoseconds per call. Two clock reads and a list store are all this adds to a bare
-    loop of barrier() calls (benchmarks/barrier_overhead.py measures it)."""
-    now = time.perf_counter_ns
-    samples = [0] * count
-    for index in range(count):
-        started = now()
-        barrier_once()
-        samples[index] = now() - started
-    return samples
-
-
 def barrier_call(ctx: DistContext) -> Callable[[], Any]:
     if ctx.backend != "nccl":
         return dist.barrier
@@ -345,20 +328,10 @@ def barrier_call(ctx: DistContext) -> Callable[[], Any]:
     return barrier_on_device
 
 
-def percentiles_us(samples_us) -> dict:
-    p50, p90, p99 = np.percentile(samples_us, [50, 90, 99])
-    return {
-        "p50": round(float(p50), 2),
-        "p90": round(float(p90), 2),
-        "p99": round(float(p99), 2),
-        "max": round(float(np.max(samples_us)), 2),
-    }
-
-
 def measure_latency(bench: BenchRank, cfg: BarrierConfig) -> dict | None:
     barrier_once = barrier_call(bench.ctx)
-    time_barriers(barrier_once, cfg.warmup)
-    samples_us = np.asarray(time_barriers(barrier_once, cfg.iters), dtype=np.float64) / 1e3
+    time_calls_ns(barrier_once, cfg.warmup)
+    samples_us = np.asarray(time_calls_ns(barrier_once, cfg.iters), dtype=np.float64) / 1e3
     everyone = gather_to_rank0(bench, samples_us)
     if everyone is None:
         return None
@@ -400,22 +373,21 @@ def collective_iterations(size_bytes: int, iters: int) -> int:
 def measure_collective(bench: BenchRank, cfg: BarrierConfig, name: str, size: int) -> dict:
     ctx = bench.ctx
     device = ctx.device if ctx.backend == "nccl" else torch.device("cpu")
-    synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     operation, moved = collective_call(name, size, ctx.world_size, device)
     iterations = collective_iterations(moved, cfg.iters)
     for _ in range(min(cfg.warmup, iterations) or 1):
         operation()
-    synchronize()
+    synchronize(device)
     dist.barrier(group=bench.control)
     started = clock()
     for _ in range(iterations):
         operation()
-    synchronize()
+    synchronize(device)
     # Like nccl-tests: the time of one operation, averaged over the ranks.
     per_op = torch.tensor([(clock() - started) / iterations], dtype=torch.float64)
     dist.all_reduce(per_op, group=bench.control)
     seconds = per_op.item() / ctx.world_size
-    algbw = moved / seconds / 1e9
+    bandwidth = bandwidth_gbps(name, moved, seconds, ctx.world_size)
     return {
         "collective": name,
         "size_bytes": moved,
@@ -423,8 +395,7 @@ def measure_collective(bench: BenchRank, cfg: BarrierConfig, name: str, size: in
         "dtype": "float32",
         "iters": iterations,
         "time_us": round(seconds * 1e6, 2),
-        "algbw_GBps": round(algbw, 4),
-        "busbw_GBps": round(algbw * BUS_FACTOR[name](ctx.world_size), 4),
+        **{key: round(value, 4) for key, value in bandwidth.items()},
     }
 
 
@@ -518,7 +489,7 @@ def run_bench(
     launcher = read_launcher_env()
     if launcher is not None:  # torchrun or SLURM made this process a rank
         return run_rank(cfg, launcher, workdir=None)
-    check_gpus(cfg)
+    check_gpu_indices(cfg.gpus, cpu_alternative="--nproc N for CPU ranks")
     if on_start is not None:
         on_start()
     workdir = Path(tempfile.mkdtemp(prefix="ddpcli-bench-barrier-"))
@@ -532,8 +503,6 @@ def run_bench(
 
 
 def launch_ranks(cfg: BarrierConfig, workdir: Path, debug: bool) -> dict:
-    from ddpcli.launch import WorkerJob, run_workers
-
     request = workdir / "config.json"
     request.write_text(cfg.model_dump_json())
     job = WorkerJob(
@@ -541,7 +510,7 @@ def launch_ranks(cfg: BarrierConfig, workdir: Path, debug: bool) -> dict:
         args=[str(request), str(workdir)],
         nproc_per_node=cfg.world_size,
         timeout_s=group_timeout_s(cfg),
-        env=worker_environment(cfg, debug),
+        env=bench_environment(cfg, debug),
     )
     try:
         run_workers(job, debug)
@@ -553,28 +522,8 @@ def launch_ranks(cfg: BarrierConfig, workdir: Path, debug: bool) -> dict:
     return json.loads((workdir / RESULT_FILE).read_text())
 
 
-def check_gpus(cfg: BarrierConfig) -> None:
-    from ddpcli.config import physical_gpu_count
-
-    if not cfg.gpus:
-        return
-    count = physical_gpu_count()
-    missing = [index for index in cfg.gpus if index >= count]
-    if missing:
-        have = f"GPUs 0..{count - 1}" if count else "no GPU"
-        raise usage_error(
-            f"invalid --gpus: GPU {missing[0]} does not exist (this machine has {have}); "
-            "list indices as nvidia-smi shows them, or use --nproc N for CPU ranks"
-        )
-
-
-def worker_environment(cfg: BarrierConfig, debug: bool) -> dict[str, str]:
-    env: dict[str, str] = {}
-    if cfg.gpus:
-        # Physical indices -> the workers see only these, renumbered cuda:0.., cuda:N-1.
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(index) for index in cfg.gpus)
-    else:
-        env["OMP_NUM_THREADS"] = str(max(1, cpu_count() // cfg.world_size))
+def bench_environment(cfg: BarrierConfig, debug: bool) -> dict[str, str]:
+    env = worker_environment(cfg.gpus, cfg.world_size)
     if not debug and "TORCH_CPP_LOG_LEVEL" not in os.environ:
         # Gloo logs its own timeout errors; the summary below says the same, once.
         env["TORCH_CPP_LOG_LEVEL"] = "FATAL"

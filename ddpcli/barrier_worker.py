@@ -12,7 +12,8 @@ from pathlib import Path
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from ddpcli.barrier import BarrierTimeout, run_rank
-from ddpcli.config import BarrierConfig, read_launcher_env
+from ddpcli.config import BarrierConfig
+from ddpcli.environments import read_launcher_env
 from ddpcli.errors import DdpcliError
 from ddpcli.process import exit_with_error, skip_exit_collection
 

@@ -26,9 +26,10 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DistributedSampler
 
-from ddpcli.config import sample_trace_path
+from ddpcli.config import TrainConfig
 from ddpcli.dist import DistContext, zero_first
 from ddpcli.errors import usage_error
+from ddpcli.files import atomic_save
 
 CROP_PADDING = 4
 # Image folders are normalised with ImageNet's statistics on both paths (as torchvision's
@@ -210,8 +211,6 @@ def imagefolder_splits(
     cache = folder_cache_path(data_dir, image_size, cache_dir)
     with zero_first(ctx):
         if ctx.is_main and not cache.exists():
-            from ddpcli.checkpoint import atomic_save
-
             splits = {
                 split: decode_folder(data_dir / split, classes, image_size)
                 for split in ("train", "val")
@@ -223,6 +222,27 @@ def imagefolder_splits(
     stored = torch.load(cache, weights_only=True)
     train, val = (ImageSet(stored[s]["images"], stored[s]["labels"]) for s in ("train", "val"))
     return Splits(train, val, len(classes), classes)
+
+
+# --- Checks before any worker starts ---------------------------------------------------
+
+
+def check_data_source(cfg: TrainConfig) -> None:
+    """The data set named by the flags is there (or can be fetched): exit 2 otherwise."""
+    if cfg.dataset == "synthetic" or cfg.data_dir is None:
+        return
+    if not cfg.data_dir.is_dir() and not (cfg.dataset == "stl10" and cfg.download):
+        hint = "; add --download to fetch STL-10 into it" if cfg.dataset == "stl10" else ""
+        raise usage_error(
+            f"invalid --data-dir: {cfg.data_dir} does not exist or is not a folder{hint}"
+        )
+    if cfg.dataset == "stl10" and not cfg.download and not stl10_present(cfg.data_dir):
+        raise usage_error(
+            f"STL-10 not found in {stl10_dir(cfg.data_dir)}; pass --download to fetch it "
+            "or point --data-dir at the folder that holds stl10_binary/"
+        )
+    if cfg.dataset == "imagefolder":
+        check_imagefolder(cfg.data_dir)
 
 
 # --- Sharding ---------------------------------------------------------------------------
@@ -537,7 +557,7 @@ class DataPipeline:
         self.workers = (
             cfg.workers if cfg.workers is not None else default_workers(ctx.local_world_size)
         )
-        trace = sample_trace_path()
+        trace = cfg.trace_samples
         self.trace_file = trace.with_name(f"{trace.name}.rank{ctx.rank}") if trace else None
         if self.on_device:
             self._hold_on_device(splits)

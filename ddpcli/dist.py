@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ddpcli.config import LauncherEnv
+from ddpcli.environments import LauncherEnv
 from ddpcli.errors import first_line, runtime_error, usage_error
 
 

@@ -25,8 +25,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from ddpcli.config import Backend, check_interface, describe_validation_error
+from ddpcli.config import Backend, describe_validation_error
 from ddpcli.errors import usage_error
+from ddpcli.machine import check_interface, network_interfaces
 
 OK, WARN, FAIL = "ok", "warn", "fail"
 DEFAULT_MASTER_PORT = 29500  # torchrun's default: the port a run uses unless told otherwise
@@ -381,8 +382,6 @@ def interface_from_ip(entry: dict) -> Interface:
 
 def interfaces_from_sysfs() -> list[Interface]:
     """Without iproute2: names from the kernel, state from /sys, the IPv4 address by ioctl."""
-    from ddpcli.config import network_interfaces
-
     interfaces = []
     for name in network_interfaces():
         flags = read_sysfs_flags(name)

@@ -1,5 +1,7 @@
 """The one exception type users see: a message and the exit code it ends with."""
 
+import os
+
 USAGE = 2  # bad flag value, unreadable recipe, missing data, unknown GPU or interface
 RUNTIME = 1  # a rank died, a timeout, a collective failed
 
@@ -25,3 +27,8 @@ def first_line(error: BaseException, limit: int = 300) -> str:
     """An exception in one line for a message: its first line, or its type if it says nothing."""
     text = str(error).strip() or type(error).__name__
     return text.splitlines()[0][:limit]
+
+
+def debug_requested(flag: bool = False) -> bool:
+    """--debug or DDPCLI_DEBUG=1: show tracebacks instead of one line."""
+    return flag or os.environ.get("DDPCLI_DEBUG", "") not in ("", "0")

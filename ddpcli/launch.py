@@ -16,8 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ddpcli import ui
-from ddpcli.config import TrainConfig, cpu_count, read_launcher_env
+from ddpcli.config import TrainConfig
+from ddpcli.environments import read_launcher_env
 from ddpcli.errors import USAGE, DdpcliError, first_line, runtime_error, usage_error
+from ddpcli.machine import cpu_count
 from ddpcli.process import freeze_imported_objects
 
 WORKER_MODULE = "ddpcli.worker"
@@ -38,17 +40,19 @@ def launch_train(cfg: TrainConfig, debug: bool = False) -> dict:
     return _launch_elastic(cfg, debug)
 
 
-def worker_environment(cfg: TrainConfig) -> dict[str, str]:
-    """Variables the workers must inherit; set before any of them initialises CUDA."""
+def worker_environment(
+    gpus: list[int] | None, nproc_per_node: int, ifname: str | None = None
+) -> dict[str, str]:
+    """Variables every command's workers inherit; set before any of them initialises CUDA."""
     env: dict[str, str] = {}
-    if cfg.uses_gpus:
+    if gpus:
         # Physical indices -> the workers see only these, renumbered cuda:0.., cuda:N-1.
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(index) for index in cfg.gpus)
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(index) for index in gpus)
     else:
-        env["OMP_NUM_THREADS"] = str(max(1, cpu_count() // cfg.nproc_per_node))
-    if cfg.ifname:
-        env["GLOO_SOCKET_IFNAME"] = cfg.ifname
-        env["NCCL_SOCKET_IFNAME"] = cfg.ifname
+        env["OMP_NUM_THREADS"] = str(max(1, cpu_count() // nproc_per_node))
+    if ifname:
+        env["GLOO_SOCKET_IFNAME"] = ifname
+        env["NCCL_SOCKET_IFNAME"] = ifname
     return env
 
 
@@ -272,7 +276,7 @@ def _launch_elastic(cfg: TrainConfig, debug: bool) -> dict:
         master_port=cfg.master_port,
         timeout_s=cfg.timeout,
         max_restarts=cfg.max_restarts,
-        env={**worker_environment(cfg), **({"DDPCLI_DEBUG": "1"} if debug else {})},
+        env={**train_environment(cfg), **({"DDPCLI_DEBUG": "1"} if debug else {})},
         log_dir=str(cfg.log_dir) if cfg.log_dir else None,
     )
     try:
@@ -284,6 +288,11 @@ def _launch_elastic(cfg: TrainConfig, debug: bool) -> dict:
     if cfg.node_rank == 0 and summary_file.exists():
         return json.loads(summary_file.read_text())
     return {"out": str(out), "node_rank": cfg.node_rank}
+
+
+def train_environment(cfg: TrainConfig) -> dict[str, str]:
+    gpus = cfg.gpus if cfg.uses_gpus else None
+    return worker_environment(gpus, cfg.nproc_per_node, cfg.ifname)
 
 
 def describe_failure(failure, log_dir: str | None = None) -> DdpcliError:

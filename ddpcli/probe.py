@@ -1089,7 +1089,7 @@ def check_peer_to_peer(ctx, local_ranks: list[int]) -> StageResult:
 def main(argv: list[str]) -> None:
     began = time.time()
     request = json.loads(Path(argv[1]).read_text())
-    from ddpcli.config import read_launcher_env
+    from ddpcli.environments import read_launcher_env
     from ddpcli.process import skip_exit_collection
 
     env = read_launcher_env()

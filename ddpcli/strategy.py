@@ -53,12 +53,6 @@ def batch_split(strategy: str, batch: int, gpus: int, gpu0_batch: int | None) ->
     return dataparallel_split(batch, gpus)
 
 
-def step_shares(batch: int, gpus: int, gpu0_batch: int, accumulate: int) -> list[int]:
-    """Samples per GPU over one optimizer step of `accumulate` micro-batches: with batch 8,
-    GPU 0's share 2 and accumulation 2 on three GPUs, 4+6+6 = a global batch of 16."""
-    return [share * accumulate for share in balanced_split(batch, gpus, gpu0_batch)]
-
-
 class BalancedDataParallel(nn.DataParallel):
     """nn.DataParallel whose scatter gives GPU 0 `gpu0_batch` samples of each batch."""
 

@@ -11,7 +11,6 @@ import json
 import math
 import resource
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -19,37 +18,25 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ddpcli import ui
-from ddpcli.checkpoint import (
-    CheckpointWriter,
-    capture_rng_state,
+from ddpcli.checkpoint.schema import (
+    TrainingParts,
+    TrainState,
     find_resume_path,
-    gather_rng_states,
-    load_model_state,
     load_training_checkpoint,
-    restore_rng_state,
+    restore_training,
     resume_warnings,
-    write_metrics_history,
+    training_payload,
 )
+from ddpcli.checkpoint.writer import CheckpointWriter, write_metrics_history
 from ddpcli.config import TrainConfig
 from ddpcli.data import DataPipeline
 from ddpcli.dist import DistContext, all_reduce_max, all_reduce_sum, barrier
 from ddpcli.errors import runtime_error
 from ddpcli.models import build_model
 from ddpcli.strategy import batch_split, model_devices, unwrap, wrap_model
+from ddpcli.timing import synced_clock, synchronize
 
 TIMING_WARMUP_STEPS = 3  # the first steps pay for allocation and autotuning; not timed
-
-
-@dataclass
-class TrainState:
-    """What a checkpoint restores besides the weights: where we are and what we saw."""
-
-    epoch: int = 0  # the epoch being (or about to be) trained, 0-based
-    batch_in_epoch: int = 0  # micro-batches of `epoch` already trained
-    step: int = 0  # optimizer steps taken
-    best_val_acc: float = -1.0
-    history: list[dict] = field(default_factory=list)
-    partial_sums: list[float] | None = None  # global [loss_sum, correct, count] mid-epoch
 
 
 # --- Building the parts --------------------------------------------------------------------
@@ -124,43 +111,17 @@ class Trainer:
         self.out = Path(cfg.out)
 
     # --- checkpoints
-    def checkpoint_payload(self) -> dict:
-        return {
-            "format": "ddpcli-checkpoint-v1",
-            "model": unwrap(self.model).state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-            "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None,
-            "epoch": self.state.epoch,
-            "batch_in_epoch": self.state.batch_in_epoch,
-            "step": self.state.step,
-            "best_val_acc": self.state.best_val_acc,
-            "metrics": self.state.history,
-            "partial_sums": self.state.partial_sums,
-            "world_size": self.ctx.world_size,
-            "num_classes": self.data.splits.num_classes,
-            "config": json.loads(self.cfg.model_dump_json()),
-            "rng": gather_rng_states(self.ctx, capture_rng_state()),
-        }
+    def parts(self) -> TrainingParts:
+        return TrainingParts(unwrap(self.model), self.optimizer, self.scheduler, self.scaler)
+
+    def save_checkpoint(self, name: str, is_best: bool) -> None:
+        num_classes = self.data.splits.num_classes
+        payload = training_payload(self.parts(), self.state, self.cfg, self.ctx, num_classes)
+        self.writer.save(payload, name, is_best=is_best)
 
     def resume(self, path: Path) -> None:
         payload = load_training_checkpoint(path, map_location=self.ctx.device)
-        load_model_state(unwrap(self.model), payload["model"], path)
-        self.optimizer.load_state_dict(payload["optimizer"])
-        self.scheduler.load_state_dict(payload["scheduler"])
-        if payload.get("scaler"):
-            self.scaler.load_state_dict(payload["scaler"])
-        self.state = TrainState(
-            epoch=payload["epoch"],
-            batch_in_epoch=payload["batch_in_epoch"],
-            step=payload["step"],
-            best_val_acc=payload["best_val_acc"],
-            history=list(payload["metrics"]),
-            partial_sums=payload.get("partial_sums"),
-        )
-        rng_states = payload["rng"]
-        if payload["world_size"] == self.ctx.world_size:
-            restore_rng_state(rng_states[self.ctx.rank])
+        self.state = restore_training(payload, self.parts(), self.ctx, path)
         if self.ctx.is_main:
             config = json.loads(self.cfg.model_dump_json())
             for warning in resume_warnings(payload, config, self.ctx.world_size):
@@ -323,7 +284,7 @@ class Trainer:
             progress.update(state.batch_in_epoch, loss, acc, timer.running_rate(self.ctx))
         if cfg.save_every_steps and state.step % cfg.save_every_steps == 0 and not last_micro:
             state.partial_sums = all_reduce_sum(sums.clone(), self.ctx).tolist()
-            self.writer.save(self.checkpoint_payload(), f"step-{state.step:08d}.pt", is_best=False)
+            self.save_checkpoint(f"step-{state.step:08d}.pt", is_best=False)
             state.partial_sums = None
 
     def reduce_means(self, sums: torch.Tensor) -> tuple[float, float]:
@@ -361,7 +322,7 @@ class Trainer:
             with open(self.out / "metrics.jsonl", "a") as handle:
                 handle.write(json.dumps(metrics) + "\n")
             ui.epoch_line(metrics, self.cfg.epochs)
-        self.writer.save(self.checkpoint_payload(), f"epoch-{state.epoch:04d}.pt", is_best=is_best)
+        self.save_checkpoint(f"epoch-{state.epoch:04d}.pt", is_best=is_best)
         barrier(self.ctx)
 
 
@@ -374,8 +335,7 @@ def per_rank(value: float, ctx: DistContext) -> list[float]:
 
 def synced_time(device: torch.device) -> float:
     """Wall-clock (Unix) time once the device has finished the work queued so far."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    synchronize(device)
     return time.time()
 
 
@@ -388,17 +348,12 @@ class StepTimer:
         self.warmup = min(TIMING_WARMUP_STEPS, planned_steps // 2)
         self.seen = 0
         self.images = 0
-        self.start: float | None = self._now() if self.warmup == 0 else None
-
-    def _now(self) -> float:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter()
+        self.start: float | None = synced_clock(device) if self.warmup == 0 else None
 
     def tick(self, batch_images: int) -> None:
         self.seen += 1
         if self.seen == self.warmup:
-            self.start = self._now()
+            self.start = synced_clock(self.device)
         elif self.seen > self.warmup:
             self.images += batch_images
 
@@ -408,7 +363,7 @@ class StepTimer:
         return self.images * ctx.world_size / max(time.perf_counter() - self.start, 1e-9)
 
     def images_per_sec(self, ctx: DistContext) -> float:
-        elapsed = self._now() - self.start if self.start is not None else 0.0
+        elapsed = synced_clock(self.device) - self.start if self.start is not None else 0.0
         images = all_reduce_sum(torch.tensor([float(self.images)], device=ctx.device), ctx)
         slowest = all_reduce_max(torch.tensor([elapsed], device=ctx.device), ctx)
         return float(images.item() / max(slowest.item(), 1e-9))

@@ -17,16 +17,12 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import get_error_handler, record
 
 from ddpcli import ui
-from ddpcli.config import (
-    LauncherEnv,
-    TrainConfig,
-    cpu_count,
-    debug_requested,
-    read_launcher_env,
-)
+from ddpcli.config import TrainConfig
 from ddpcli.data import DataPipeline, load_splits
 from ddpcli.dist import DistContext, init_distributed, shutdown
-from ddpcli.errors import DdpcliError, first_line
+from ddpcli.environments import LauncherEnv, read_launcher_env
+from ddpcli.errors import DdpcliError, debug_requested, first_line
+from ddpcli.machine import cpu_count
 from ddpcli.process import (
     exit_with_error,
     freeze_imported_objects,
@@ -142,7 +138,7 @@ def main(argv: list[str]) -> None:
         prefix = "" if error.message.startswith("rank ") else f"rank {env.rank}: "
         exit_with_error(prefix + error.message, error.exit_code)
     except Exception as error:
-        if debug_requested(False):
+        if debug_requested():
             raise  # @record prints the traceback and hands it to the agent
         # One line here; the traceback goes to the agent's error file for its report.
         get_error_handler().record_exception(error)

@@ -23,20 +23,18 @@ import torch
 from conftest import REPO, run_cli
 from typer.testing import CliRunner
 
-from ddpcli import checkpoint
-from ddpcli.checkpoint import (
+from ddpcli import files
+from ddpcli.checkpoint.loading import safe_load
+from ddpcli.checkpoint.schema import (
     FORMAT,
-    CheckpointWriter,
-    atomic_save,
     capture_rng_state,
-    digest_status,
     load_training_checkpoint,
     restore_rng_state,
-    safe_load,
-    sha256_path,
 )
+from ddpcli.checkpoint.writer import CheckpointWriter
 from ddpcli.cli import app
 from ddpcli.errors import DdpcliError
+from ddpcli.files import atomic_save, digest_status, sha256_path
 
 TINY_TRAIN = [
     "--cpu", "--nproc", "2", "--arch", "tinycnn", "--image-size", "16",
@@ -140,9 +138,9 @@ def test_atomic_save_records_its_digest_and_leaves_no_temporaries(tmp_path):
 SLOW_SAVE = r"""
 import sys, time
 import torch
-from ddpcli import checkpoint
+from ddpcli import files
 
-class SlowWriter(checkpoint._HashingWriter):
+class SlowWriter(files._HashingWriter):
     def write(self, data):  # dribble the bytes out so the parent can kill us mid-file
         view = memoryview(data).cast("B")
         for start in range(0, len(view), 1 << 16):
@@ -151,8 +149,8 @@ class SlowWriter(checkpoint._HashingWriter):
             time.sleep(0.01)
         return len(view)
 
-checkpoint._HashingWriter = SlowWriter
-checkpoint.atomic_save({"epoch": 2, "weights": torch.full((4_000_000,), 2.0)}, sys.argv[1])
+files._HashingWriter = SlowWriter
+files.atomic_save({"epoch": 2, "weights": torch.full((4_000_000,), 2.0)}, sys.argv[1])
 """
 
 
@@ -196,8 +194,8 @@ def test_digest_sidecar_matches_the_file_at_every_instant_of_a_replace(tmp_path)
     atomic_save({"epoch": 1}, last)
     tmp = tmp_path / ".last.pt.new.tmp"
     new_digest = atomic_save({"epoch": 2}, tmp)
-    previous = checkpoint.recorded_digests(last)
-    checkpoint._record_digests(last, [new_digest, *previous])  # killed right after this
+    previous = files.recorded_digests(last)
+    files._record_digests(last, [new_digest, *previous])  # killed right after this
     assert digest_status(last)["status"] == "ok"
     os.replace(tmp, last)  # ...or right after this
     assert digest_status(last)["status"] == "ok"
@@ -442,7 +440,7 @@ def resume_config(tmp_path: Path, resume: str):
 
 
 def test_check_resume_source_refuses_before_any_worker_starts(tmp_path, saved):
-    from ddpcli.checkpoint import check_resume_source
+    from ddpcli.checkpoint.schema import check_resume_source
 
     check_resume_source(resume_config(tmp_path, str(saved)))  # a good file passes
     check_resume_source(resume_config(tmp_path, "auto"))  # auto without last.pt: fresh start
@@ -454,7 +452,7 @@ def test_check_resume_source_refuses_before_any_worker_starts(tmp_path, saved):
 
 
 def test_resume_from_a_folder_means_its_last_checkpoint(tmp_path, saved):
-    from ddpcli.checkpoint import find_resume_path
+    from ddpcli.checkpoint.schema import find_resume_path
 
     last = tmp_path / "run" / "checkpoints" / "last.pt"
     last.parent.mkdir(parents=True)
@@ -464,7 +462,7 @@ def test_resume_from_a_folder_means_its_last_checkpoint(tmp_path, saved):
 
 
 def test_resume_names_what_does_not_fit_the_model(saved):
-    from ddpcli.checkpoint import load_model_state
+    from ddpcli.checkpoint.loading import load_model_state
     from ddpcli.models import build_model
 
     with pytest.raises(DdpcliError, match=r"fc.weight is \[10, 32\], the model wants \[5, 32\]"):
@@ -474,7 +472,7 @@ def test_resume_names_what_does_not_fit_the_model(saved):
 
 
 def test_resume_warns_about_settings_that_change_the_result(saved):
-    from ddpcli.checkpoint import resume_warnings
+    from ddpcli.checkpoint.schema import resume_warnings
 
     payload = safe_load(saved)
     config = payload["config"] | {"lr": 0.5, "out": "elsewhere"}

@@ -29,7 +29,7 @@ from conftest import (
     run_cli,
 )
 
-from ddpcli.config import read_launcher_env
+from ddpcli.environments import read_launcher_env
 
 TINY = ["--cpu", "--arch", "tinycnn", "--image-size", "16"]
 # 8192 images, batch 16, two ranks: 256 steps an epoch, time enough to act mid-epoch.

@@ -22,7 +22,7 @@ from conftest import LiveProcess, clean_env, free_port, read_metrics, run_cli
 from netns import Host, two_hosts
 
 from ddpcli.config import TrainConfig
-from ddpcli.launch import worker_environment
+from ddpcli.launch import train_environment
 
 TINY = ["--cpu", "--arch", "tinycnn", "--image-size", "16", "--per-gpu-batch", "16"]
 ONE_EPOCH = [*TINY, "--synthetic-size", "256", "--epochs", "1"]
@@ -177,7 +177,7 @@ def test_tcp_init_on_several_nodes_derives_the_agents_address():
 
 
 def test_ifname_sets_both_socket_variables():
-    env = worker_environment(TrainConfig(cpu=True, nproc=1, ifname="eth1"))
+    env = train_environment(TrainConfig(cpu=True, nproc=1, ifname="eth1"))
     assert env["GLOO_SOCKET_IFNAME"] == "eth1" and env["NCCL_SOCKET_IFNAME"] == "eth1"
 
 

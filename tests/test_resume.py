@@ -16,7 +16,7 @@ import pytest
 import torch
 from conftest import read_metrics, run_cli
 
-from ddpcli.checkpoint import safe_load
+from ddpcli.checkpoint.loading import safe_load
 
 SAMPLES = 256
 PER_GPU_BATCH = 16

@@ -10,10 +10,11 @@ from conftest import run_cli
 from test_data import write_image_folder
 
 from ddpcli import data
-from ddpcli.config import TrainConfig, build_train_config, resolve_train_config
+from ddpcli.config import TrainConfig, build_train_config
 from ddpcli.dist import DistContext
 from ddpcli.errors import DdpcliError
-from ddpcli.strategy import balanced_split, dataparallel_split, step_shares
+from ddpcli.resolve import resolve_train_config
+from ddpcli.strategy import balanced_split, dataparallel_split
 from ddpcli.train import Trainer
 from ddpcli.worker import finalize_for_device
 
@@ -101,8 +102,8 @@ def test_image_folder_decoded_to_device_matches_the_streaming_loader(tmp_path):
 def test_balanced_split_gives_gpu0_its_share():
     assert balanced_split(batch=8, gpus=3, gpu0_batch=2) == [2, 3, 3]
     # Accumulation 2: each micro-batch splits 2+3+3, so a step of global batch 16 is 4+6+6.
-    assert step_shares(batch=8, gpus=3, gpu0_batch=2, accumulate=2) == [4, 6, 6]
-    assert sum(step_shares(8, 3, 2, 2)) == 16
+    step_shares = [share * 2 for share in balanced_split(batch=8, gpus=3, gpu0_batch=2)]
+    assert step_shares == [4, 6, 6] and sum(step_shares) == 16
     assert balanced_split(9, 3, 2) == [2, 4, 3]  # the remainder goes to the first others
     assert balanced_split(16, 4, 1) == [1, 5, 5, 5]
     assert balanced_split(5, 1, 2) == [5]

@@ -15,7 +15,7 @@ from typing import Annotated
 import typer
 
 from ddpcli import ui
-from ddpcli.errors import DdpcliError
+from ddpcli.errors import DdpcliError, debug_requested
 
 app = typer.Typer(
     name="ddpcli",
@@ -42,8 +42,6 @@ def _root(
 
 def run_command(action, json_output: bool = False) -> None:
     """Run an engine call; turn our errors into a short message and their exit code."""
-    from ddpcli.config import debug_requested
-
     try:
         action()
     except DdpcliError as error:

@@ -80,7 +80,8 @@ def bench_barrier(
         flags["collective"] = "all_reduce"  # sizes only mean something for a collective
 
     def action() -> None:
-        from ddpcli.config import build_barrier_config, read_launcher_env
+        from ddpcli.config import build_barrier_config
+        from ddpcli.environments import read_launcher_env
 
         launcher = read_launcher_env()
         if launcher is not None and flags["nproc"] is None and flags["gpus"] is None:

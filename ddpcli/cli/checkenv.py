@@ -75,7 +75,7 @@ def check_env(
     outcome: dict[str, bool] = {}
 
     def action() -> None:
-        from ddpcli.config import debug_requested
+        from ddpcli.errors import debug_requested
 
         if not debug_requested(_state["debug"]):
             # torch's C++ side logs every store retry with a stack; the rows say it better.

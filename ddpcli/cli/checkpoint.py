@@ -26,7 +26,7 @@ def inspect(path: CheckpointPath, json_output: JsonFlag = False) -> None:
     Loads with weights_only=True: a file that needs arbitrary Python objects is refused."""
 
     def action() -> None:
-        from ddpcli.checkpoint import inspect_checkpoint
+        from ddpcli.checkpoint.report import inspect_checkpoint
 
         report = inspect_checkpoint(path)
         if json_output:
@@ -54,7 +54,7 @@ def verify(
     cannot be read safely at all."""
 
     def action() -> None:
-        from ddpcli.checkpoint import verify_checkpoint
+        from ddpcli.checkpoint.report import verify_checkpoint
 
         report = verify_checkpoint(path, arch=arch, num_classes=num_classes)
         if json_output:
@@ -93,7 +93,7 @@ def convert(
     --weights-only keeps epoch, metrics and config but drops optimizer and RNG state."""
 
     def action() -> None:
-        from ddpcli.checkpoint import convert_checkpoint
+        from ddpcli.checkpoint.report import convert_checkpoint
 
         report = convert_checkpoint(path, out, strip_ddp_prefix, weights_only)
         if json_output:

@@ -155,13 +155,15 @@ def train(
     }
 
     def action() -> None:
-        from ddpcli.config import build_train_config, read_launcher_env, resolve_train_config
+        from ddpcli.config import build_train_config
+        from ddpcli.environments import read_launcher_env
+        from ddpcli.resolve import resolve_train_config
 
         cfg = resolve_train_config(build_train_config(flags, recipe), read_launcher_env())
         if dry_run:
             show_config(cfg, json_output)
             return
-        from ddpcli.checkpoint import check_resume_source
+        from ddpcli.checkpoint.schema import check_resume_source
         from ddpcli.launch import launch_train
 
         check_resume_source(cfg)  # a bad --resume file: exit 2 now, before any worker starts
@@ -195,7 +197,7 @@ def resource_line(cfg, summary: dict) -> str:
 
 
 def report_training(cfg, summary: dict, json_output: bool) -> None:
-    from ddpcli.config import read_launcher_env
+    from ddpcli.environments import read_launcher_env
 
     launcher = read_launcher_env()
     if launcher is not None and launcher.rank != 0:

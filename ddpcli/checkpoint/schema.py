@@ -1,0 +1,236 @@
+"""The training checkpoint's schema, in one place: what a save holds, how it is built from
+the run's parts, how a resume restores them, and what makes a file resumable.
+
+Everything stored is tensors and plain types (RNG states included), so every file we write
+loads with `weights_only=True`.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ddpcli.checkpoint.loading import load_model_state, model_state, safe_load
+from ddpcli.config import TrainConfig
+from ddpcli.dist import DistContext
+from ddpcli.errors import usage_error
+
+FORMAT = "ddpcli-checkpoint-v1"
+# What `--resume` needs; a weights-only file or a plain state dict lacks some of it.
+TRAINING_KEYS = (
+    "model", "optimizer", "scheduler", "epoch", "batch_in_epoch", "step", "metrics", "config",
+    "rng", "world_size",
+)  # fmt: skip
+# Settings that change the arithmetic: resuming with other values cannot reproduce the run.
+RESULT_SETTINGS = (
+    "arch", "dataset", "image_size", "synthetic_size", "epochs", "per_gpu_batch", "accumulate",
+    "lr", "momentum", "weight_decay", "warmup_epochs", "label_smoothing", "seed", "precision",
+    "max_steps",
+)  # fmt: skip
+
+
+@dataclass
+class TrainState:
+    """What a checkpoint restores besides the weights: where we are and what we saw."""
+
+    epoch: int = 0  # the epoch being (or about to be) trained, 0-based
+    batch_in_epoch: int = 0  # micro-batches of `epoch` already trained
+    step: int = 0  # optimizer steps taken
+    best_val_acc: float = -1.0
+    history: list[dict] = field(default_factory=list)
+    partial_sums: list[float] | None = None  # global [loss_sum, correct, count] mid-epoch
+
+
+@dataclass
+class TrainingParts:
+    """The objects a checkpoint saves and a resume restores, besides the TrainState."""
+
+    model: torch.nn.Module  # unwrapped: keys without DDP's `module.` prefix
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: torch.amp.GradScaler
+
+
+def training_payload(
+    parts: TrainingParts, state: TrainState, cfg: TrainConfig, ctx: DistContext, num_classes: int
+) -> dict[str, Any]:
+    """Everything a resume needs. Collective: every rank must call it (RNG states)."""
+    return {
+        "format": FORMAT,
+        "model": parts.model.state_dict(),
+        "optimizer": parts.optimizer.state_dict(),
+        "scheduler": parts.scheduler.state_dict(),
+        "scaler": parts.scaler.state_dict() if parts.scaler.is_enabled() else None,
+        "epoch": state.epoch,
+        "batch_in_epoch": state.batch_in_epoch,
+        "step": state.step,
+        "best_val_acc": state.best_val_acc,
+        "metrics": state.history,
+        "partial_sums": state.partial_sums,
+        "world_size": ctx.world_size,
+        "num_classes": num_classes,
+        "config": json.loads(cfg.model_dump_json()),
+        "rng": gather_rng_states(ctx, capture_rng_state()),
+    }
+
+
+def restore_training(
+    payload: dict[str, Any], parts: TrainingParts, ctx: DistContext, path: Path
+) -> TrainState:
+    """Load a training checkpoint into the run's parts; this rank's RNG state too when the
+    world has the size that saved it."""
+    load_model_state(parts.model, payload["model"], path)
+    parts.optimizer.load_state_dict(payload["optimizer"])
+    parts.scheduler.load_state_dict(payload["scheduler"])
+    if payload.get("scaler"):
+        parts.scaler.load_state_dict(payload["scaler"])
+    if payload["world_size"] == ctx.world_size:
+        restore_rng_state(payload["rng"][ctx.rank])
+    return TrainState(
+        epoch=payload["epoch"],
+        batch_in_epoch=payload["batch_in_epoch"],
+        step=payload["step"],
+        best_val_acc=payload["best_val_acc"],
+        history=list(payload["metrics"]),
+        partial_sums=payload.get("partial_sums"),
+    )
+
+
+def weights_only_payload(payload: dict, state: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """Our checkpoint without optimizer, scheduler and RNG state (`checkpoint convert`)."""
+    kept = ("format", "epoch", "step", "best_val_acc", "metrics", "config", "num_classes")
+    document = {key: payload[key] for key in kept if key in payload}
+    document.update(model=state, weights_only=True, world_size=payload.get("world_size"))
+    return document
+
+
+def checkpoint_kind(payload: Any) -> str:
+    if isinstance(payload, dict) and payload.get("format") == FORMAT:
+        return "weights-only" if payload.get("weights_only") else "training"
+    return "state-dict" if model_state(payload) is not None else "unknown"
+
+
+def load_training_checkpoint(path: Path, map_location: Any) -> dict[str, Any]:
+    """A checkpoint `--resume` can continue from: safe, uncorrupted, and complete."""
+    payload = safe_load(path, map_location=map_location, check_digest=True)
+    check_training_payload(payload, path)
+    return payload
+
+
+def check_training_payload(payload: Any, path: Path) -> None:
+    if isinstance(payload, dict) and payload.get("weights_only"):
+        raise usage_error(
+            f"cannot resume from {path}: it holds weights only (no optimizer, scheduler or RNG "
+            "state); resume from a full checkpoint such as OUT/checkpoints/last.pt"
+        )
+    missing = [key for key in TRAINING_KEYS if not isinstance(payload, dict) or key not in payload]
+    if missing:
+        raise usage_error(
+            f"cannot resume from {path}: it is not a ddpcli training checkpoint "
+            f"(no {', '.join(missing[:3])}); `ddpcli checkpoint inspect` shows what it holds"
+        )
+
+
+def resume_warnings(payload: dict, config: dict, world_size: int) -> list[str]:
+    """What makes the resumed run differ from the uninterrupted one."""
+    notes = []
+    if payload["world_size"] != world_size:
+        notes.append(
+            f"checkpoint was written by {payload['world_size']} ranks, this run has {world_size}: "
+            "the data order (and each rank's RNG) from here on differs from the original run"
+        )
+    saved = payload.get("config") or {}
+    changed = [
+        f"{key} {saved[key]!r} -> {config.get(key)!r}"
+        for key in RESULT_SETTINGS
+        if key in saved and saved[key] != config.get(key)
+    ]
+    if changed:
+        notes.append(
+            f"settings differ from the checkpoint's ({', '.join(changed)}): the result will not "
+            "match an uninterrupted run"
+        )
+    return notes
+
+
+def check_resume_source(cfg: TrainConfig) -> None:
+    """For the launcher, before any worker starts: a missing, broken or unsafe `--resume`
+    file is one line and exit 2 at once. Structure only (memory-mapped); the workers check
+    the digest when they load it for real."""
+    path = find_resume_path(cfg)
+    if path is None:
+        return
+    check_training_payload(safe_load(path, lazy=True), path)
+
+
+def find_resume_path(cfg: TrainConfig) -> Path | None:
+    """`--resume auto` continues from OUT/checkpoints/last.pt when there is one; a folder
+    given to `--resume` means its last.pt (or checkpoints/last.pt)."""
+    if not cfg.resume:
+        return None
+    if cfg.resume == "auto":
+        last = Path(cfg.out) / "checkpoints" / "last.pt"
+        return last if last.is_file() else None
+    path = Path(cfg.resume)
+    if path.is_dir():
+        for candidate in (path / "last.pt", path / "checkpoints" / "last.pt"):
+            if candidate.is_file():
+                return candidate
+    return path
+
+
+# --- Random number generator state as tensors and plain types ----------------------------
+
+
+def capture_rng_state() -> dict[str, Any]:
+    version, internal, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {
+        "python": [version, list(internal), gauss],
+        "numpy": {
+            "kind": kind,
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        },
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    # A map_location onto a GPU moves these tensors there too; RNG states live on the CPU.
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    numpy_state = state["numpy"]
+    np.random.set_state(
+        (
+            numpy_state["kind"],
+            numpy_state["keys"].cpu().numpy().astype(np.uint32),
+            numpy_state["pos"],
+            numpy_state["has_gauss"],
+            numpy_state["cached_gaussian"],
+        )
+    )
+    torch.set_rng_state(state["torch"].cpu())
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"].cpu())
+
+
+def gather_rng_states(ctx: DistContext, state: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every rank's RNG state, in rank order, so a resume restores each rank exactly."""
+    if not ctx.distributed:
+        return [state]
+    states: list[Any] = [None] * ctx.world_size
+    dist.all_gather_object(states, state)
+    return states

@@ -1,0 +1,19 @@
+"""The validated configuration of each command, one module per command, built in one place
+from flags (and, for `train`, a recipe): `common` holds what they share.
+
+Only pydantic and ddpcli.errors are imported here: `--help` and `--dry-run` stay light.
+"""
+
+from ddpcli.config.barrier import BarrierConfig, build_barrier_config
+from ddpcli.config.common import Backend, describe_validation_error
+from ddpcli.config.train import TrainConfig, build_train_config, load_recipe
+
+__all__ = [
+    "Backend",
+    "BarrierConfig",
+    "TrainConfig",
+    "build_barrier_config",
+    "build_train_config",
+    "describe_validation_error",
+    "load_recipe",
+]

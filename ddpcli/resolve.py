@@ -1,0 +1,150 @@
+"""A validated TrainConfig resolved against this machine: every "auto" filled in, and what
+only the machine can tell checked before any worker starts (GPUs that exist, data that is
+there, a model name that is known, an interface that exists, a free init file).
+
+Every refusal here is exit 2 with one line naming the flag: the run never started.
+"""
+
+from __future__ import annotations
+
+import datetime
+from pathlib import Path
+from typing import Any
+
+from ddpcli.archs import check_arch
+from ddpcli.config import TrainConfig
+from ddpcli.environments import LauncherEnv
+from ddpcli.errors import usage_error
+from ddpcli.machine import check_gpu_indices, check_interface, physical_gpu_count
+
+DEFAULT_MASTER_PORT = 29500  # torchrun's
+# The side each data set is trained at unless --image-size says otherwise.
+NATIVE_IMAGE_SIZE = {"synthetic": 32, "stl10": 96}
+IMAGEFOLDER_SIZE = {"gpu": 224, "cpu": 64}
+
+
+def resolve_train_config(cfg: TrainConfig, launcher: LauncherEnv | None) -> TrainConfig:
+    """Fill every "auto" value from the machine and check what only the machine can tell."""
+    from ddpcli.data import check_data_source
+
+    values = cfg.model_dump()
+    if launcher is None:
+        resolve_devices(values)
+    else:
+        import torch
+
+        values["cpu"] = values["cpu"] or not torch.cuda.is_available()
+    check_strategy(values, launcher)
+    on_gpu = not values["cpu"]
+    values["arch"] = values["arch"] or ("resnet18" if on_gpu else "smallcnn")
+    check_arch(values["arch"])
+    if values["image_size"] is None:
+        folder_size = IMAGEFOLDER_SIZE["gpu" if on_gpu else "cpu"]
+        values["image_size"] = NATIVE_IMAGE_SIZE.get(cfg.dataset, folder_size)
+    values["out"] = values["out"] or default_out_dir()
+    resolve_agent_address(values)
+    check_data_source(cfg)
+    if cfg.ifname:
+        check_interface(cfg.ifname)
+    if launcher is None or launcher.rank == 0:
+        check_init_file(cfg)
+    return TrainConfig(**values)
+
+
+def default_out_dir() -> Path:
+    return Path("runs") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+
+
+def resolve_devices(values: dict[str, Any]) -> None:
+    """No --gpus: every GPU nvidia-smi lists, or the CPU when there is none."""
+    if values["cpu"]:
+        values["nproc"] = values["nproc"] or 2
+        return
+    if values["gpus"] is None:
+        count = physical_gpu_count()
+        if count == 0:
+            values["cpu"], values["nproc"] = True, values["nproc"] or 2
+        else:
+            values["gpus"] = list(range(count))
+        return
+    check_gpu_indices(values["gpus"], cpu_alternative="--cpu")
+
+
+def check_strategy(values: dict[str, Any], launcher: LauncherEnv | None) -> None:
+    """dp and balanced-dp are one process driving two or more GPUs of one machine."""
+    strategy = values["strategy"]
+    if values["gpu0_batch"] is not None and strategy != "balanced-dp":
+        raise usage_error("invalid --gpu0-batch: it applies to --strategy balanced-dp only")
+    if strategy == "ddp":
+        return
+    if (launcher is not None and launcher.world_size > 1) or values["nnodes"] > 1:
+        raise usage_error(
+            f"invalid --strategy: {strategy} is a single process on one machine; for several "
+            "processes or nodes use --strategy ddp (the default)"
+        )
+    gpus = single_process_gpu_count(values, launcher)
+    if gpus < 2:
+        have = "is on the CPU" if values["cpu"] else f"has {gpus} GPU"
+        raise usage_error(
+            f"invalid --strategy: {strategy} is one process driving 2 or more GPUs, but this "
+            f"run {have}; use --strategy ddp (the default), or list GPUs with --gpus 0,1"
+        )
+    if values["compile"]:
+        raise usage_error(
+            f"invalid --compile: it works with --strategy ddp; {strategy} replicates the "
+            "module on every step"
+        )
+    batch, gpu0_batch = values["per_gpu_batch"], values["gpu0_batch"]
+    if strategy == "balanced-dp" and batch - gpu0_batch < gpus - 1:
+        raise usage_error(
+            f"invalid --gpu0-batch: {gpu0_batch} of a batch of {batch} leaves less than one "
+            f"sample for each of the other {gpus - 1} GPUs; lower it or raise --per-gpu-batch"
+        )
+
+
+def single_process_gpu_count(values: dict[str, Any], launcher: LauncherEnv | None) -> int:
+    if values["cpu"]:
+        return 0
+    if launcher is not None:
+        import torch
+
+        return torch.cuda.device_count()
+    return len(values["gpus"])
+
+
+def resolve_agent_address(values: dict[str, Any]) -> None:
+    """Where the node agents meet: --master-addr:--master-port (29500 on several nodes).
+    With tcp://HOST:PORT the workers' process group listens on PORT itself, so the agents
+    default to HOST and PORT+1: two ports, derived the same way on every node."""
+    method = values["init_method"] or ""
+    if not method.startswith("tcp://"):
+        if values["nnodes"] > 1 and values["master_port"] is None:
+            values["master_port"] = DEFAULT_MASTER_PORT
+        return
+    host, port_text = method.removeprefix("tcp://").rsplit(":", 1)
+    port = int(port_text)
+    if values["nnodes"] > 1:
+        if values["master_addr"] == "127.0.0.1":
+            values["master_addr"] = host
+        if values["master_port"] is None:
+            values["master_port"] = port + 1 if port < 65535 else port - 1
+    if values["master_port"] == port:
+        raise usage_error(
+            f"invalid --master-port: {port} is the --init-method port, where the workers' "
+            "process group listens; the node agents need another one (or leave it out)"
+        )
+
+
+def check_init_file(cfg: TrainConfig) -> None:
+    """file:// init on a file an earlier run left: the new run would hang or fail."""
+    method = cfg.init_method or ""
+    if not method.startswith("file://") or cfg.node_rank != 0:
+        return
+    path = Path(method.removeprefix("file://"))
+    if path.exists():
+        raise usage_error(
+            f"invalid --init-method: {path} already exists, probably left by an earlier run; "
+            f"if no run is using it, delete it (rm {path}) or give a new file name"
+        )
+    if not path.parent.is_dir():
+        raise usage_error(f"invalid --init-method: folder {path.parent} does not exist")
