@@ -264,7 +264,7 @@ def write_jpeg_folder(root: Path, count: int, image_size: int) -> None:
     """The synthetic set's pixels as JPEG files in the ImageNet layout."""
     from PIL import Image
 
-    from ddpcli.data import synthetic_splits
+    from ddpcli.data.sets import synthetic_splits
 
     splits = synthetic_splits(count, image_size, seed=0)
     for split, image_set in (("train", splits.train), ("val", splits.val)):
@@ -298,7 +298,8 @@ def data_path_rates(setup: Setup, jpeg_dir: Path, device) -> dict[str, float]:
     """Images/s each data path hands to the device for rank 0 of the comparison world."""
 
     from ddpcli.config import TrainConfig
-    from ddpcli.data import DataPipeline, load_splits
+    from ddpcli.data.pipeline import DataPipeline
+    from ddpcli.data.sets import load_splits
     from ddpcli.dist import DistContext
 
     sys.path.insert(0, str(PEERS))

@@ -1,8 +1,8 @@
 """Model names `--arch` accepts, checked without importing torch or torchvision.
 
 The launcher checks the name before it starts any worker, so a typo fails in a moment
-with exit 2; importing torchvision there only to list its models would add about 1.5 s
-to every run. The workers build the model (ddpcli.models).
+with exit 2; importing torchvision there only to list its models would slow every run's
+start (docs/performance.md). The workers build the model (ddpcli.models).
 """
 
 from __future__ import annotations

@@ -105,7 +105,7 @@ def launch_config(job: WorkerJob):
         start_method="spawn",
         logs_specs=logs,
         log_line_prefix_template=prefix,
-        # No shutdown_timeout: with a short one (5 s, measured on torch 2.14) restarted
+        # No shutdown_timeout: with a short one (seen on torch 2.14) restarted
         # Gloo workers could not connect to each other again.
     )
 

@@ -1090,7 +1090,7 @@ def main(argv: list[str]) -> None:
     began = time.time()
     request = json.loads(Path(argv[1]).read_text())
     from ddpcli.environments import read_launcher_env
-    from ddpcli.process import skip_exit_collection
+    from ddpcli.process import collect_then_freeze
 
     env = read_launcher_env()
     log = StageLog(Path(request["workdir"]) / f"rank-{env.rank}.jsonl", request["budgets"])
@@ -1098,7 +1098,7 @@ def main(argv: list[str]) -> None:
     start_watchdog(log, request["parent_pid"])
     try:
         run_stages(env, request, log)
-        skip_exit_collection()
+        collect_then_freeze()
     except StageFailed:
         sys.stdout.flush()
         sys.stderr.flush()

@@ -17,9 +17,9 @@ from ddpcli import ui
 
 def keep_freed_memory() -> None:
     """glibc hands large freed blocks back to the kernel, and every step then page-faults
-    them in again (20-24 k faults, 53-64 ms system time per resnet18 step on 2 cores).
-    Fixed thresholds keep them in the heap. A user's own malloc setting wins; on a C
-    library other than glibc there is nothing to do."""
+    them in again (docs/performance.md has the counts). Fixed thresholds keep them in the
+    heap. A user's own malloc setting wins; on a C library other than glibc there is
+    nothing to do."""
     if "MALLOC_MMAP_THRESHOLD_" in os.environ or "glibc.malloc" in os.environ.get(
         "GLIBC_TUNABLES", ""
     ):
@@ -36,17 +36,17 @@ def keep_freed_memory() -> None:
 
 
 def freeze_imported_objects() -> None:
-    """What the imports created (torch alone: some 300 k objects) lives until exit. Out of
-    the cyclic collector's sight, it costs no later collection anything to walk."""
+    """What the imports created (torch alone: hundreds of thousands of objects) lives until
+    exit. Out of the cyclic collector's sight, it costs no later collection anything to walk."""
     gc.freeze()
 
 
-def skip_exit_collection() -> None:
-    """At exit the interpreter's cyclic collector walks every live object several times:
-    0.6 s of a 0.75 s exit with torch and torchvision loaded, in every worker and in the
-    launcher. One collection now still frees whatever the run left in reference cycles,
-    as the exit would have, but while the interpreter is whole (Gloo's threads must not
-    meet a half torn-down interpreter); freezing the rest leaves the exit nothing to walk."""
+def collect_then_freeze() -> None:
+    """At exit the interpreter's cyclic collector walks every live object several times,
+    most of a process's exit time with torch loaded (docs/performance.md). One collection
+    now frees whatever the run left in reference cycles, as the exit would have, but while
+    the interpreter is whole (Gloo's threads must not meet a half torn-down interpreter);
+    freezing the rest leaves the exit nothing to walk."""
     gc.collect()
     gc.freeze()
 

@@ -13,20 +13,19 @@ from typing import Any
 
 from ddpcli.archs import check_arch
 from ddpcli.config import TrainConfig
+from ddpcli.data.sets import STL10_SIDE, check_data_source
 from ddpcli.environments import LauncherEnv
 from ddpcli.errors import usage_error
 from ddpcli.machine import check_gpu_indices, check_interface, physical_gpu_count
 
 DEFAULT_MASTER_PORT = 29500  # torchrun's
 # The side each data set is trained at unless --image-size says otherwise.
-NATIVE_IMAGE_SIZE = {"synthetic": 32, "stl10": 96}
+NATIVE_IMAGE_SIZE = {"synthetic": 32, "stl10": STL10_SIDE}
 IMAGEFOLDER_SIZE = {"gpu": 224, "cpu": 64}
 
 
 def resolve_train_config(cfg: TrainConfig, launcher: LauncherEnv | None) -> TrainConfig:
     """Fill every "auto" value from the machine and check what only the machine can tell."""
-    from ddpcli.data import check_data_source
-
     values = cfg.model_dump()
     if launcher is None:
         resolve_devices(values)

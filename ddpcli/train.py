@@ -29,7 +29,7 @@ from ddpcli.checkpoint.schema import (
 )
 from ddpcli.checkpoint.writer import CheckpointWriter, write_metrics_history
 from ddpcli.config import TrainConfig
-from ddpcli.data import DataPipeline
+from ddpcli.data.pipeline import DataPipeline
 from ddpcli.dist import DistContext, all_reduce_max, all_reduce_sum, barrier
 from ddpcli.errors import runtime_error
 from ddpcli.models import build_model
@@ -60,7 +60,7 @@ def build_optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer
         {"params": no_decay, "weight_decay": 0.0},
     ]
     # One fused kernel for the whole update, on GPUs and on the CPU alike: on the CPU
-    # foreach is the slowest choice (resnet18 step(): fused 5-6 ms, foreach 25-33 ms).
+    # foreach is the slowest choice (measured in docs/performance.md).
     try:
         return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=True, fused=True)
     except (RuntimeError, ValueError):  # an older torch without fused SGD for this device

@@ -18,16 +18,17 @@ from torch.distributed.elastic.multiprocessing.errors import get_error_handler, 
 
 from ddpcli import ui
 from ddpcli.config import TrainConfig
-from ddpcli.data import DataPipeline, load_splits
+from ddpcli.data.pipeline import DataPipeline
+from ddpcli.data.sets import load_splits
 from ddpcli.dist import DistContext, init_distributed, shutdown
 from ddpcli.environments import LauncherEnv, read_launcher_env
 from ddpcli.errors import DdpcliError, debug_requested, first_line
 from ddpcli.machine import cpu_count
 from ddpcli.process import (
+    collect_then_freeze,
     exit_with_error,
     freeze_imported_objects,
     keep_freed_memory,
-    skip_exit_collection,
 )
 from ddpcli.train import Trainer
 
@@ -46,11 +47,11 @@ def finalize_for_device(cfg: TrainConfig, ctx: DistContext) -> TrainConfig:
 DEVICE_DATA_FRACTION = 0.25  # of free device memory the uint8 set may take under `auto`
 
 
-def choose_data_path(cfg: TrainConfig, ctx: DistContext) -> bool:
-    """True: keep the data set in device memory. `auto` does so for the synthetic set and
-    STL-10 when they take at most DEVICE_DATA_FRACTION of the device's free memory; image
-    folders stream through the loader unless `--data-path device` asks for the one-time
-    decode (their size is unknown until decoded)."""
+def keep_data_on_device(cfg: TrainConfig, ctx: DistContext) -> bool:
+    """True: the data set lives in device memory (`--data-path device`). `auto` does so for
+    the synthetic set and STL-10 when they take at most DEVICE_DATA_FRACTION of the
+    device's free memory; image folders stream through the loader unless `--data-path
+    device` asks for the one-time decode (their size is unknown until decoded)."""
     if cfg.data_path != "auto":
         return cfg.data_path == "device"
     if cfg.dataset == "imagefolder":
@@ -82,8 +83,9 @@ def run_worker(cfg: TrainConfig, env: LauncherEnv) -> dict:
         if ctx.is_main:
             out.mkdir(parents=True, exist_ok=True)
             (out / "config.json").write_text(cfg.model_dump_json(indent=2) + "\n")
-        device_path = choose_data_path(cfg, ctx)
-        pipeline = DataPipeline(load_splits(cfg, ctx, device_path), cfg, ctx, device_path)
+        device_resident = keep_data_on_device(cfg, ctx)
+        splits = load_splits(cfg, ctx, device_resident)
+        pipeline = DataPipeline(splits, cfg, ctx, device_resident)
         last = Trainer(cfg, ctx, pipeline).fit()
         summary = {
             **last,
@@ -133,7 +135,7 @@ def main(argv: list[str]) -> None:
     env = read_launcher_env()
     try:
         run_worker(cfg, env)
-        skip_exit_collection()
+        collect_then_freeze()
     except DdpcliError as error:
         prefix = "" if error.message.startswith("rank ") else f"rank {env.rank}: "
         exit_with_error(prefix + error.message, error.exit_code)

@@ -8,7 +8,7 @@ import torch
 from conftest import run_cli
 from torch.utils.data import DistributedSampler
 
-from ddpcli import data
+from ddpcli.data import augment, device, pipeline, sets
 from ddpcli.dist import DistContext
 
 
@@ -37,7 +37,7 @@ def write_stl10(root, train_count=40, test_count=21, seed=0):
 
 def test_stl10_reader_keeps_orientation_and_labels(tmp_path):
     written = write_stl10(tmp_path)
-    read = data.read_stl10_split(tmp_path / "stl10_binary", "train")
+    read = sets.read_stl10_split(tmp_path / "stl10_binary", "train")
     pixels, labels = written["train"]
     assert read.images.shape == (40, 3, 96, 96) and read.images.dtype == torch.uint8
     assert torch.equal(read.images, torch.from_numpy(pixels))
@@ -115,7 +115,7 @@ def test_image_folder_layout_is_checked_before_start(tmp_path):
 @pytest.mark.parametrize("size,world_size", [(21, 2), (10, 3), (7, 4)])
 def test_validation_shards_cover_each_sample_once(size, world_size):
     seen = [
-        i for rank in range(world_size) for i in data.val_shard(size, context(rank, world_size))
+        i for rank in range(world_size) for i in pipeline.val_shard(size, context(rank, world_size))
     ]
     assert sorted(seen) == list(range(size))
 
@@ -124,26 +124,26 @@ def test_train_shard_is_distributed_sampler_order_and_changes_per_epoch():
     ctx = context(1, 2)
     sampler = DistributedSampler(range(11), num_replicas=2, rank=1, shuffle=True, seed=5)
     sampler.set_epoch(3)
-    assert data.train_shard(11, ctx, seed=5, epoch=3) == list(sampler)
-    assert data.train_shard(11, ctx, 5, 3) != data.train_shard(11, ctx, 5, 4)
+    assert pipeline.train_shard(11, ctx, seed=5, epoch=3) == list(sampler)
+    assert pipeline.train_shard(11, ctx, 5, 3) != pipeline.train_shard(11, ctx, 5, 4)
 
 
 def test_synthetic_set_is_deterministic_from_the_seed():
-    first = data.synthetic_splits(64, 16, seed=1)
-    again = data.synthetic_splits(64, 16, seed=1)
-    other = data.synthetic_splits(64, 16, seed=2)
+    first = sets.synthetic_splits(64, 16, seed=1)
+    again = sets.synthetic_splits(64, 16, seed=1)
+    other = sets.synthetic_splits(64, 16, seed=2)
     assert torch.equal(first.train.images, again.train.images)
     assert not torch.equal(first.train.images, other.train.images)
 
 
 def test_batched_and_per_image_augmentation_give_the_same_pixels():
     images = torch.randint(0, 256, (9, 3, 12, 12), dtype=torch.uint8)
-    image_set = data.ImageSet(images, torch.arange(9))
+    image_set = sets.ImageSet(images, torch.arange(9))
     indices = [4, 0, 8, 2, 7]
-    batches = data.TensorBatches(
+    batches = device.DeviceResidentBatches(
         image_set, indices, 5, torch.device("cpu"), [0, 0, 0], [1, 1, 1], True, seed=3, epoch=2
     )
     batched, _ = next(iter(batches))
     for row, index in enumerate(indices):
-        single = data.crop_and_flip_one(images[index], index, seed=3, epoch=2).float() / 255
+        single = augment.crop_and_flip_one(images[index], index, seed=3, epoch=2).float() / 255
         assert torch.allclose(batched[row], single)

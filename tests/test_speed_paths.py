@@ -9,8 +9,9 @@ import torch
 from conftest import run_cli
 from test_data import write_image_folder
 
-from ddpcli import data
 from ddpcli.config import TrainConfig, build_train_config
+from ddpcli.data.pipeline import IMAGENET_MEAN, DataPipeline
+from ddpcli.data.sets import load_splits
 from ddpcli.dist import DistContext
 from ddpcli.errors import DdpcliError
 from ddpcli.resolve import resolve_train_config
@@ -35,8 +36,8 @@ def tiny_config(tmp_path, **overrides) -> TrainConfig:
     return TrainConfig(**values)
 
 
-def pipeline(cfg: TrainConfig, ctx: DistContext, on_device: bool) -> data.DataPipeline:
-    return data.DataPipeline(data.load_splits(cfg, ctx, on_device), cfg, ctx, on_device)
+def pipeline(cfg: TrainConfig, ctx: DistContext, device_resident: bool) -> DataPipeline:
+    return DataPipeline(load_splits(cfg, ctx, device_resident), cfg, ctx, device_resident)
 
 
 def collect(batches) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -59,7 +60,7 @@ def test_device_and_loader_paths_give_identical_batches(tmp_path, workers, rank)
     cfg = tiny_config(tmp_path, workers=workers)
     ctx = context(rank, world_size=2)
     device_path, loader_path = pipeline(cfg, ctx, True), pipeline(cfg, ctx, False)
-    assert device_path.on_device and not loader_path.on_device
+    assert device_path.device_resident and not loader_path.device_resident
     for epoch in (0, 1):  # the epoch must reach workers that persist across epochs
         want = collect(device_path.train_batches(epoch))
         assert_same_batches(collect(loader_path.train_batches(epoch)), want)
@@ -89,7 +90,7 @@ def test_image_folder_decoded_to_device_matches_the_streaming_loader(tmp_path):
     )
     ctx = context()
     device_path, loader_path = pipeline(cfg, ctx, True), pipeline(cfg, ctx, False)
-    assert device_path.mean == loader_path.mean == data.IMAGENET_MEAN
+    assert device_path.mean == loader_path.mean == IMAGENET_MEAN
     assert_same_batches(
         collect(loader_path.train_batches(0)), collect(device_path.train_batches(0))
     )

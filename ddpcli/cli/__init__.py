@@ -85,13 +85,13 @@ def adopt_legacy_local_rank(argv: list[str], environ) -> list[str]:
 
 
 def main() -> None:
-    from ddpcli.process import skip_exit_collection
+    from ddpcli.process import collect_then_freeze
 
     sys.argv = adopt_legacy_local_rank(sys.argv, os.environ)
     try:
         app()
     finally:
-        skip_exit_collection()
+        collect_then_freeze()
 
 
 # Each module registers its command(s) on `app` when imported.

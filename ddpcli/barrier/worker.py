@@ -1,5 +1,5 @@
 """One rank of `ddpcli bench-barrier`, as started by the elastic launcher:
-`python -m ddpcli.barrier_worker CONFIG.json WORKDIR`. Rank 0 leaves its report in
+`python -m ddpcli.barrier.worker CONFIG.json WORKDIR`. Rank 0 leaves its report in
 WORKDIR/result.json; a rank that times out at a barrier leaves hang-RANK.json there.
 """
 
@@ -11,11 +11,12 @@ from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from ddpcli.barrier import BarrierTimeout, run_rank
+from ddpcli.barrier.rank import BarrierTimeout
+from ddpcli.barrier.run import run_rank
 from ddpcli.config import BarrierConfig
 from ddpcli.environments import read_launcher_env
 from ddpcli.errors import DdpcliError
-from ddpcli.process import exit_with_error, skip_exit_collection
+from ddpcli.process import collect_then_freeze, exit_with_error
 
 
 @record
@@ -24,7 +25,7 @@ def main(argv: list[str]) -> None:
     env = read_launcher_env()
     try:
         run_rank(cfg, env, workdir=Path(argv[2]))
-        skip_exit_collection()
+        collect_then_freeze()
     except BarrierTimeout as error:
         # Quiet: the launching process sums up what every rank left behind.
         os._exit(error.exit_code)  # the group is stuck: skip teardown that would wait on it

@@ -1,0 +1,131 @@
+"""Loader batches (`--data-path loader`): a DataLoader whose workers persist across epochs
+decode (image folders), crop and flip each image; pinned memory, non-blocking copies,
+normalisation on the device.
+"""
+
+from __future__ import annotations
+
+import abc
+import os
+from pathlib import Path
+
+import torch
+
+from ddpcli.data.augment import crop_and_flip_one
+from ddpcli.data.sets import ImageSet, folder_samples, read_rgb
+
+
+class KeyedImages(torch.utils.data.Dataset, abc.ABC):
+    """The loader path's twin of DeviceResidentBatches. Items are keyed by (index, epoch): workers
+    persist across epochs, so the epoch travels with each index instead of living in a
+    copy of the dataset that the workers would never see change."""
+
+    def __init__(self, seed: int, augment: bool):
+        self.seed, self.augment = seed, augment
+
+    @abc.abstractmethod
+    def load(self, index: int) -> tuple[torch.Tensor, int]:
+        """uint8 (3, H, W) at the training size, and the label."""
+
+    def __getitem__(self, key: tuple[int, int]) -> tuple[torch.Tensor, int]:
+        index, epoch = key
+        image, label = self.load(index)
+        if self.augment:
+            image = crop_and_flip_one(image, index, self.seed, epoch)
+        return image, label
+
+
+class MemoryDataset(KeyedImages):
+    """An in-memory ImageSet served through the DataLoader (`--data-path loader`)."""
+
+    def __init__(self, image_set: ImageSet, seed: int, augment: bool):
+        super().__init__(seed, augment)
+        self.image_set = image_set
+
+    def __len__(self) -> int:
+        return len(self.image_set)
+
+    def load(self, index: int) -> tuple[torch.Tensor, int]:
+        return self.image_set.images[index], int(self.image_set.labels[index])
+
+
+class FolderDataset(KeyedImages):
+    """ImageNet-layout images, decoded and resized per item in DataLoader workers."""
+
+    def __init__(
+        self, split_dir: Path, classes: list[str], image_size: int, seed: int, augment: bool
+    ):
+        super().__init__(seed, augment)
+        self.samples = folder_samples(split_dir, classes)
+        self.image_size = image_size
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def load(self, index: int) -> tuple[torch.Tensor, int]:
+        from torchvision.transforms.v2 import functional as TF
+
+        path, label = self.samples[index]
+        image = TF.resize(read_rgb(path), self.image_size, antialias=True)
+        return TF.center_crop(image, [self.image_size, self.image_size]), label
+
+
+class ShardSampler(torch.utils.data.Sampler):
+    """This rank's indices for one epoch, as (index, epoch) keys. It lives in the main
+    process, so a persistent DataLoader picks up the new shard at each `iter()`."""
+
+    def __init__(self):
+        self.indices: list[int] = []
+        self.epoch = 0
+
+    def set_shard(self, indices: list[int], epoch: int) -> None:
+        self.indices, self.epoch = list(indices), epoch
+
+    def __iter__(self):
+        epoch = self.epoch
+        return iter([(index, epoch) for index in self.indices])
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+
+class LoaderBatches:
+    """One DataLoader for the whole run: workers start once and persist across epochs,
+    pinned memory, prefetching and non-blocking copies; normalisation on the device."""
+
+    def __init__(self, dataset, batch_size, device, mean, std, workers, channels_last):
+        self.sampler = ShardSampler()
+        self.loader = torch.utils.data.DataLoader(
+            dataset,
+            batch_size=batch_size,
+            sampler=self.sampler,
+            num_workers=workers,
+            pin_memory=device.type == "cuda",
+            persistent_workers=workers > 0,
+            prefetch_factor=4 if workers else None,
+        )
+        self.device = device
+        self.mean = torch.tensor(mean, device=device).view(1, 3, 1, 1)
+        self.std = torch.tensor(std, device=device).view(1, 3, 1, 1)
+        self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
+
+    def for_epoch(self, indices: list[int], epoch: int) -> LoaderBatches:
+        self.sampler.set_shard(indices, epoch)
+        return self
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self):
+        for images, labels in self.loader:
+            images = images.to(self.device, non_blocking=True)
+            images = (images.float().div_(255) - self.mean) / self.std
+            yield (
+                images.contiguous(memory_format=self.memory_format),
+                labels.to(self.device, non_blocking=True),
+            )
+
+
+def default_workers(local_world_size: int) -> int:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(0, min(8, (cores or 1) // max(1, local_world_size) - 1))

@@ -1,0 +1,148 @@
+"""What the training loop sees: this rank's train and validation batches, whichever path
+they come from. Training is sharded exactly as DistributedSampler shards it (`set_epoch`
+each epoch); validation is strided and unpadded, so every sample is counted exactly once.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+from torch.utils.data import DistributedSampler
+
+from ddpcli.config import TrainConfig
+from ddpcli.data.device import DeviceResidentBatches
+from ddpcli.data.loader import FolderDataset, LoaderBatches, MemoryDataset, default_workers
+from ddpcli.data.sets import ImageSet, Splits
+from ddpcli.dist import DistContext
+
+# Image folders are normalised with ImageNet's statistics on both paths (as torchvision's
+# reference recipes do); the in-memory sets with their own, measured on the training split.
+IMAGENET_MEAN, IMAGENET_STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
+
+
+def train_shard(size: int, ctx: DistContext, seed: int, epoch: int) -> list[int]:
+    """This rank's training indices for the epoch: exactly what DistributedSampler yields.
+    It pads so every rank gets the same count (and the same number of steps)."""
+    sampler = DistributedSampler(
+        range(size), num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True, seed=seed
+    )
+    sampler.set_epoch(epoch)  # without it every epoch repeats the same order
+    return list(sampler)
+
+
+def val_shard(size: int, ctx: DistContext) -> list[int]:
+    """Strided, unpadded: each validation sample on exactly one rank."""
+    return list(range(ctx.rank, size, ctx.world_size))
+
+
+def channel_stats(images: torch.Tensor) -> tuple[list[float], list[float]]:
+    sample = images[:: max(1, len(images) // 1000)].float() / 255
+    mean = sample.mean(dim=(0, 2, 3))
+    std = sample.std(dim=(0, 2, 3)).clamp_min(1e-3)
+    return mean.tolist(), std.tolist()
+
+
+class TracedBatches:
+    """Batches that append each batch's sample indices to a file as they are handed out
+    (DDPCLI_TRACE_SAMPLES): a record of exactly what this rank trained on."""
+
+    def __init__(self, batches, indices: list[int], batch_size: int, path: Path, epoch: int):
+        self.batches, self.indices, self.batch_size = batches, indices, batch_size
+        self.path, self.epoch = path, epoch
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self):
+        with open(self.path, "a") as handle:
+            for position, batch in enumerate(self.batches):
+                start = position * self.batch_size
+                chunk = self.indices[start : start + self.batch_size]
+                handle.write(json.dumps({"epoch": self.epoch, "indices": chunk}) + "\n")
+                handle.flush()
+                yield batch
+
+
+class DataPipeline:
+    """Train and validation batches for this rank, whichever path they come from."""
+
+    def __init__(self, splits: Splits, cfg: TrainConfig, ctx: DistContext, device_resident: bool):
+        self.splits = splits
+        self.cfg = cfg
+        self.ctx = ctx
+        self.channels_last = ctx.device.type == "cuda"
+        in_memory = splits.train is not None
+        self.device_resident = device_resident and in_memory
+        if cfg.dataset == "imagefolder":
+            self.mean, self.std = IMAGENET_MEAN, IMAGENET_STD
+        else:
+            self.mean, self.std = channel_stats(splits.train.images)
+        self.workers = (
+            cfg.workers if cfg.workers is not None else default_workers(ctx.local_world_size)
+        )
+        trace = cfg.trace_samples
+        self.trace_file = trace.with_name(f"{trace.name}.rank{ctx.rank}") if trace else None
+        if self.device_resident:
+            self._hold_on_device(splits)
+        else:
+            self._start_loaders(splits, in_memory)
+
+    def _hold_on_device(self, splits: Splits) -> None:
+        # The uint8 set lives where it is augmented; batches never cross PCIe.
+        device = self.ctx.device
+        self.train_set = ImageSet(splits.train.images.to(device), splits.train.labels)
+        self.val_set = ImageSet(splits.val.images.to(device), splits.val.labels)
+        self.train_size, self.val_size = len(splits.train), len(splits.val)
+
+    def _start_loaders(self, splits: Splits, in_memory: bool) -> None:
+        seed = self.cfg.seed
+        if in_memory:
+            train = MemoryDataset(splits.train, seed, augment=True)
+            val = MemoryDataset(splits.val, seed, augment=False)
+        else:
+            size, classes = self.cfg.image_size, splits.class_names
+            train = FolderDataset(splits.train_dir, classes, size, seed, augment=True)
+            val = FolderDataset(splits.val_dir, classes, size, seed, augment=False)
+        self.train_size, self.val_size = len(train), len(val)
+        self.train_loader, self.val_loader = self._loader(train), self._loader(val)
+
+    def _loader(self, dataset) -> LoaderBatches:
+        return LoaderBatches(
+            dataset, self.cfg.per_gpu_batch, self.ctx.device, self.mean, self.std, self.workers,
+            self.channels_last,
+        )  # fmt: skip
+
+    @property
+    def path_name(self) -> str:
+        return "device" if self.device_resident else f"loader ({self.workers} workers)"
+
+    def steps_per_epoch(self) -> int:
+        per_rank = math.ceil(self.train_size / self.ctx.world_size)
+        return math.ceil(per_rank / self.cfg.per_gpu_batch)
+
+    def train_batches(self, epoch: int, skip_batches: int = 0):
+        """The epoch's order depends only on seed and epoch; a resume skips by position."""
+        indices = train_shard(self.train_size, self.ctx, self.cfg.seed, epoch)
+        indices = indices[skip_batches * self.cfg.per_gpu_batch :]
+        if self.device_resident:
+            batches = self._device_batches(self.train_set, indices, augment=True, epoch=epoch)
+        else:
+            batches = self.train_loader.for_epoch(indices, epoch)
+        if self.trace_file:
+            return TracedBatches(batches, indices, self.cfg.per_gpu_batch, self.trace_file, epoch)
+        return batches
+
+    def val_batches(self):
+        indices = val_shard(self.val_size, self.ctx)
+        if self.device_resident:
+            return self._device_batches(self.val_set, indices, augment=False, epoch=0)
+        return self.val_loader.for_epoch(indices, 0)
+
+    def _device_batches(self, image_set: ImageSet, indices, augment: bool, epoch: int):
+        return DeviceResidentBatches(
+            image_set, indices, self.cfg.per_gpu_batch, self.ctx.device, self.mean, self.std,
+            augment, self.cfg.seed, epoch, self.channels_last,
+        )  # fmt: skip
