@@ -357,9 +357,9 @@ class StepTimer:
         elif self.seen > self.warmup:
             self.images += batch_images
 
-    def running_rate(self, ctx: DistContext) -> float:
+    def running_rate(self, ctx: DistContext) -> float | None:
         if self.start is None or not self.images:
-            return 0.0
+            return None
         return self.images * ctx.world_size / max(time.perf_counter() - self.start, 1e-9)
 
     def images_per_sec(self, ctx: DistContext) -> float:

@@ -64,7 +64,7 @@ class TrainProgress:
                 BarColumn(),
                 MofNCompleteColumn(),
                 TextColumn("loss {task.fields[loss]:.4f} · acc {task.fields[acc]:.1%}"),
-                TextColumn("· {task.fields[rate]:.0f} img/s"),
+                TextColumn("· {task.fields[rate]} img/s"),
                 TimeElapsedColumn(),
                 console=console,
                 transient=True,
@@ -83,16 +83,23 @@ class TrainProgress:
                 self.bar.remove_task(self.task)
             self.task = self.bar.add_task(
                 "train", total=self.steps, completed=done, epoch=f"{self.epoch}/{self.epochs}",
-                loss=0.0, acc=0.0, rate=0.0,
+                loss=0.0, acc=0.0, rate=rate_text(None),
             )  # fmt: skip
 
-    def update(self, step: int, loss: float, acc: float, rate: float) -> None:
+    def update(self, step: int, loss: float, acc: float, rate: float | None) -> None:
+        """RATE is images/s over the timed window, None while that window has not opened."""
         if not self.enabled:
             return
         if self.bar:
-            self.bar.update(self.task, completed=step, loss=loss, acc=acc, rate=rate)
+            self.bar.update(self.task, completed=step, loss=loss, acc=acc, rate=rate_text(rate))
         else:
             info(
                 f"epoch {self.epoch}/{self.epochs} step {step}/{self.steps} · loss {loss:.4f} · "
-                f"acc {100 * acc:.1f}% · {rate:.0f} img/s"
+                f"acc {100 * acc:.1f}% · {rate_text(rate)} img/s"
             )
+
+
+def rate_text(rate: float | None) -> str:
+    """`--` until there is a rate to show: the first steps are not timed, and 0 would read
+    as a stalled run."""
+    return "--" if rate is None else f"{rate:.0f}"

@@ -6,9 +6,16 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, run_cli
+from conftest import LAUNCHER_VARIABLES, REPO, run_cli
 
-COMMANDS = [["--help"], ["train", "--help"], ["checkpoint", "--help"]]
+COMMANDS = [
+    ["--help"],
+    ["train", "--help"],
+    ["bench-barrier", "--help"],
+    ["check-env", "--help"],
+    ["checkpoint", "--help"],
+    ["checkpoint", "verify", "--help"],
+]
 
 
 def run_importing(*args: str) -> tuple[subprocess.CompletedProcess, list[str]]:
@@ -142,3 +149,143 @@ def test_known_arch_names_match_the_installed_torchvision_and_the_builtins():
     assert set(archs.BUILTIN_ARCHS) == set(models.BUILTIN_MODELS)
     missing = sorted(installed - archs.KNOWN_TORCHVISION_CLASSIFIERS)
     archs.check_arch(missing[0] if missing else "resnet18")  # the fallback finds newer names
+
+
+# --- What --help says -----------------------------------------------------------------------
+
+
+def help_lines(*command: str, columns: int = 400) -> list[str]:
+    """`ddpcli COMMAND --help`; by default on a terminal wide enough that no row wraps."""
+    result = run_cli(*command, "--help", timeout=60, env={"COLUMNS": str(columns)})
+    assert result.returncode == 0, result.stderr
+    return result.stdout.splitlines()
+
+
+def option_row(lines: list[str], flag: str) -> str:
+    """The help row of FLAG, without the panel's border."""
+    rows = [line.strip("│ ") for line in lines if line.startswith(f"│ {flag} ")]
+    assert len(rows) == 1, f"{flag} has {len(rows)} rows in help"
+    return rows[0]
+
+
+def test_train_help_shows_each_default_and_the_choices():
+    from ddpcli.config import TrainConfig
+
+    lines = help_lines("train")
+    batch = TrainConfig.model_fields["per_gpu_batch"].default
+    assert f"[default: {batch}]" in option_row(lines, "--per-gpu-batch")  # 64
+    assert "[synthetic|stl10|imagefolder]" in option_row(lines, "--dataset")
+    assert "[default: synthetic]" in option_row(lines, "--dataset")
+    assert "[ddp|dp|balanced-dp]" in option_row(lines, "--strategy")
+    assert "[default: all GPUs, else 2 CPU processes]" in option_row(lines, "--gpus")
+    assert "[default: no-cpu]" in option_row(lines, "--cpu")
+    from ddpcli import resolve  # the words for values the machine decides, kept in step
+
+    sizes = resolve.NATIVE_IMAGE_SIZE
+    folder = resolve.IMAGEFOLDER_SIZE
+    assert (
+        f"[default: {sizes['synthetic']} synthetic, {sizes['stl10']} stl10, "
+        f"{folder['gpu']} imagefolder ({folder['cpu']} on the CPU)]"
+    ) in option_row(lines, "--image-size")
+    assert f"{resolve.DEFAULT_MASTER_PORT} on several nodes]" in option_row(lines, "--master-port")
+    flags_without_value = {"--dry-run", "--json", "--help"}
+    for name in TrainConfig.model_fields:
+        flag = f"--{name.replace('_', '-')}"
+        if name != "trace_samples" and flag not in flags_without_value:
+            assert "[default: " in option_row(lines, flag), flag
+
+
+@pytest.mark.parametrize(
+    "command", [["train"], ["bench-barrier"], ["check-env"], ["checkpoint", "convert"], []],
+    ids=lambda c: " ".join(c) or "root",
+)  # fmt: skip
+def test_flags_that_take_no_value_show_no_type(command):
+    lines = help_lines(*command)
+    assert not [line for line in lines if "<bool>" in line]
+    flags = {
+        "train": ["--cpu", "--compile", "--download", "--dry-run", "--json", "--help"],
+        "checkpoint": ["--strip-ddp-prefix", "--weights-only", "--json"],
+    }.get(command[0] if command else "", ["--help"])
+    for flag in flags:
+        assert "<" not in option_row(lines, flag), flag  # no <bool>, <int>: their help has no <
+
+
+def test_every_boolean_setting_of_train_has_its_no_form():
+    from ddpcli.config import TrainConfig
+
+    lines = help_lines("train")
+    for name, field in TrainConfig.model_fields.items():
+        if field.annotation is bool:
+            flag = name.replace("_", "-")
+            assert f"--no-{flag}" in option_row(lines, f"--{flag}")
+
+
+@pytest.mark.parametrize("group", [[], ["checkpoint"]], ids=lambda g: " ".join(g) or "root")
+def test_command_summaries_are_whole_sentences(group):
+    """One row per command on an 80-column terminal, its summary a sentence with its full
+    stop: Typer shows the first paragraph of each docstring."""
+    lines = help_lines(*group, columns=80)
+    start = next(index for index, line in enumerate(lines) if "Commands" in line)
+    rows = [line.strip("│ ") for line in lines[start + 1 :] if line.startswith("│")]
+    from typer.main import get_command
+
+    from ddpcli.cli import app
+
+    commands = get_command(app)
+    for part in group:
+        commands = commands.commands[part]
+    assert len(rows) == len(commands.commands)  # a wrapped summary adds a row
+    for row in rows:
+        name, _, summary = row.partition("  ")
+        assert name in commands.commands, row
+        assert summary.strip().endswith("."), row
+
+
+def test_a_no_flag_overrides_a_recipe_true(tmp_path, monkeypatch):
+    """`--no-cpu` and `--no-compile` beat a recipe's `true`; left out, the recipe stands."""
+    from typer.testing import CliRunner
+
+    from ddpcli.cli import app
+
+    for name in LAUNCHER_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr("ddpcli.resolve.physical_gpu_count", lambda: 2)  # a GPU machine
+    recipe = tmp_path / "r.toml"
+    recipe.write_text("[train]\ncpu = true\ncompile = true\n")
+
+    def dry_run(*flags: str) -> dict:
+        result = CliRunner().invoke(
+            app, ["train", "--recipe", str(recipe), *flags, "--dry-run", "--json"]
+        )
+        assert result.exit_code == 0, result.output
+        return json.loads(result.stdout)
+
+    from_recipe = dry_run()
+    assert from_recipe["cpu"] is True and from_recipe["compile"] is True
+    overridden = dry_run("--no-cpu", "--no-compile")
+    assert overridden["cpu"] is False and overridden["compile"] is False
+    assert overridden["gpus"] == [0, 1]
+
+
+def test_progress_says_no_rate_before_the_timed_window_opens(capsys, monkeypatch):
+    import io
+
+    from rich.console import Console
+
+    from ddpcli import ui
+
+    progress = ui.TrainProgress(enabled=True, epochs=2, steps_per_epoch=10)
+    progress.start_epoch(0, 0)
+    progress.update(1, 2.3, 0.1, None)
+    progress.update(5, 2.1, 0.2, 1234.4)
+    first, later = capsys.readouterr().err.splitlines()
+    assert "0 img/s" not in first and "· -- img/s" in first
+    assert "1234 img/s" in later
+
+    terminal = io.StringIO()  # the live bar, as on a terminal
+    monkeypatch.setattr(ui, "console", Console(file=terminal, force_terminal=True, width=120))
+    with ui.TrainProgress(enabled=True, epochs=2, steps_per_epoch=10) as bar:
+        bar.start_epoch(0, 0)
+        bar.update(1, 2.3, 0.1, None)
+        bar.bar.refresh()
+    assert "-- img/s" in terminal.getvalue() and "0 img/s" not in terminal.getvalue()

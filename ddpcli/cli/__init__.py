@@ -15,9 +15,10 @@ from typing import Annotated
 import typer
 
 from ddpcli import ui
+from ddpcli.cli.options import App
 from ddpcli.errors import DdpcliError, debug_requested
 
-app = typer.Typer(
+app = App(
     name="ddpcli",
     help="PyTorch DistributedDataParallel training on several GPUs or machines.",
     no_args_is_help=True,
@@ -25,9 +26,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
-checkpoint_app = typer.Typer(
-    help="Inspect, verify and convert checkpoints, safely.", no_args_is_help=True
-)
+checkpoint_app = App(help="Inspect, verify and convert checkpoints, safely.", no_args_is_help=True)
 app.add_typer(checkpoint_app, name="checkpoint")
 
 _state = {"debug": False}

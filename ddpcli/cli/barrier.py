@@ -6,7 +6,7 @@ No torch here: the engine (ddpcli.barrier) is imported when the command runs.
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.table import Table
@@ -14,6 +14,9 @@ from rich.text import Text
 
 from ddpcli import ui
 from ddpcli.cli import _state, app, run_command
+from ddpcli.cli.options import setting
+from ddpcli.config import BarrierConfig
+from ddpcli.config.barrier import DEFAULT_STAGGER_S, DEFAULT_WORK_S, SIZE_UNITS
 
 DEMO = "Demo"
 MEASURE = "Measurements"
@@ -21,60 +24,103 @@ PROCS = "Processes and devices"
 TIMELINE_WIDTH = 50
 TIMELINE_SYMBOLS = {"work": ("█", "cyan"), "wait": ("░", "yellow")}
 PERCENTILES = ("p50", "p90", "p99", "max")
+DEFAULT_SIZES = BarrierConfig.model_fields["sizes"].get_default(call_default_factory=True)
+
+
+def size_text(size: int) -> str:
+    """A byte count as --sizes takes it: 1048576 -> 1M."""
+    for unit in ("G", "M", "K"):
+        if size % SIZE_UNITS[unit] == 0:
+            return f"{size // SIZE_UNITS[unit]}{unit}"
+    return str(size)
+
+
+def barrier_option(
+    name: str, help: str | None = None, panel: str | None = None, default: str | None = None
+) -> Any:
+    """`--NAME` for BarrierConfig's field NAME: help shows its default (or DEFAULT, in words)."""
+    return setting(BarrierConfig, name, help, panel=panel, default=default)
 
 
 @app.command("bench-barrier", no_args_is_help=False)
 def bench_barrier(
     nproc: Annotated[
-        int | None, typer.Option(help="CPU ranks (default 2).", rich_help_panel=PROCS)
+        int | None,
+        barrier_option("nproc", "CPU ranks.", PROCS, default="2, or one per --gpus GPU"),
     ] = None,
     backend: Annotated[
-        str | None, typer.Option(help="auto | nccl | gloo.", rich_help_panel=PROCS)
+        str | None, barrier_option("backend", "auto: nccl with --gpus, else gloo.", PROCS)
     ] = None,
     gpus: Annotated[
         str | None,
-        typer.Option(help="Physical GPU indices, one rank each: 0,3.", rich_help_panel=PROCS),
+        barrier_option(
+            "gpus", "Physical GPU indices, one rank each: 0,3.", PROCS, default="none: the CPU"
+        ),
     ] = None,
     sleeps: Annotated[
         str | None,
-        typer.Option(help="Seconds each rank sleeps, one per rank: 3,5.", rich_help_panel=DEMO),
+        barrier_option(
+            "sleeps", "Seconds each rank sleeps, one per rank: 3,5.", DEMO, default="from --stagger"
+        ),
     ] = None,
     stagger: Annotated[
         float | None,
-        typer.Option(help="Rank r sleeps STAGGER x r s (default 0.25).", rich_help_panel=DEMO),
+        barrier_option(
+            "stagger",
+            "Rank r sleeps STAGGER x r seconds.",
+            DEMO,
+            default=f"{DEFAULT_STAGGER_S:g}; zero-first: every rank works {DEFAULT_WORK_S:g} s",
+        ),
     ] = None,
     demo: Annotated[
         str | None,
-        typer.Option(help="staggered | zero-first | none.", rich_help_panel=DEMO),
+        barrier_option(
+            "demo",
+            "staggered: rank r sleeps its share, then calls barrier(); zero-first: rank 0 works "
+            "while the others wait; none: measurements only.",
+            DEMO,
+        ),
     ] = None,
     skip_rank: Annotated[
         int | None,
-        typer.Option(help="Rank R skips the barrier: see the hang.", rich_help_panel=DEMO),
+        barrier_option(
+            "skip_rank", "Rank R skips the barrier: see the hang.", DEMO, default="none"
+        ),
     ] = None,
     timeout: Annotated[
-        float | None,
-        typer.Option(help="Seconds to wait at the barrier (default 30).", rich_help_panel=DEMO),
+        float | None, barrier_option("timeout", "Seconds to wait at the barrier.", DEMO)
     ] = None,
     iters: Annotated[
-        int | None,
-        typer.Option(help="Timed barriers per rank (default 200).", rich_help_panel=MEASURE),
+        int | None, barrier_option("iters", "Timed barriers per rank.", MEASURE)
     ] = None,
     warmup: Annotated[
-        int | None,
-        typer.Option(help="Untimed operations first (default 10).", rich_help_panel=MEASURE),
+        int | None, barrier_option("warmup", "Untimed operations first.", MEASURE)
     ] = None,
     collective: Annotated[
         str | None,
-        typer.Option(help="Also time all_reduce, all_gather, broadcast.", rich_help_panel=MEASURE),
+        barrier_option(
+            "collective",
+            "Also time these collectives (--sizes alone: all_reduce).",
+            MEASURE,
+            default="none",
+        ),
     ] = None,
     sizes: Annotated[
         str | None,
-        typer.Option(help="Message sizes for --collective: 4,1K,1M,64M.", rich_help_panel=MEASURE),
+        barrier_option(
+            "sizes",
+            "Message sizes for --collective (K, M, G: powers of 1024).",
+            MEASURE,
+            default=",".join(map(size_text, DEFAULT_SIZES)),
+        ),
     ] = None,
     json_output: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
 ) -> None:
-    """Watch barrier() line the ranks up (staggered or zero-first demo), see a skipped
-    barrier hang, and time barriers and collectives (p50/p90/p99, nccl-tests bandwidth)."""
+    """Watch barrier() line ranks up; time barriers and collectives.
+
+    The staggered or zero-first demo shows each rank's arrival and departure; --skip-rank
+    shows a skipped barrier hang; then p50/p90/p99 latency, and nccl-tests bandwidth for
+    --collective."""
     flags = {key: value for key, value in locals().items() if key != "json_output"}
     if flags["sizes"] is not None and flags["collective"] is None:
         flags["collective"] = "all_reduce"  # sizes only mean something for a collective

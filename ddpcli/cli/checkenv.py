@@ -14,6 +14,8 @@ import typer
 
 from ddpcli import ui
 from ddpcli.cli import _state, app, run_command
+from ddpcli.cli.options import choice_metavar, option
+from ddpcli.config import Backend
 
 NODES = "Multi-node"
 PROBE = "Probe"
@@ -24,19 +26,30 @@ STATUS_STYLES = {"ok": "green", "warn": "yellow", "fail": "bold red"}
 def check_env(
     ifname: Annotated[
         str | None,
-        typer.Option(help="Interface the run will use (GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME)."),
+        option(
+            "Interface the run will use (GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME).", default="none"
+        ),
     ] = None,
     master_addr: Annotated[
         str | None,
-        typer.Option(
-            help="Node 0's address (default MASTER_ADDR, else 127.0.0.1).", rich_help_panel=NODES
-        ),
+        option("Node 0's address.", default="MASTER_ADDR, else 127.0.0.1", panel=NODES),
     ] = None,
     master_port: Annotated[
         int | None,
-        typer.Option(help="Master port (default MASTER_PORT, else 29500).", rich_help_panel=NODES),
+        option(
+            "Master port.",
+            default="MASTER_PORT, else 29500; a one-node probe picks a free one",
+            panel=NODES,
+        ),
     ] = None,
-    backend: Annotated[str | None, typer.Option(help="auto | nccl | gloo.")] = None,
+    backend: Annotated[
+        str | None,
+        option(
+            "auto: nccl where there are GPUs, else gloo.",
+            default="auto",
+            metavar=choice_metavar(Backend),
+        ),
+    ] = None,
     probe: Annotated[
         bool,
         typer.Option(
@@ -47,30 +60,25 @@ def check_env(
     ] = False,
     nproc: Annotated[
         int | None,
-        typer.Option(
-            help="Probe processes on this node (default: one per GPU, or 2).", rich_help_panel=PROBE
-        ),
+        option("Probe processes on this node.", default="one per GPU, else 2", panel=PROBE),
     ] = None,
-    nnodes: Annotated[
-        int | None, typer.Option(help="Nodes in the job (default 1).", rich_help_panel=NODES)
-    ] = None,
+    nnodes: Annotated[int | None, option("Nodes in the job.", default="1", panel=NODES)] = None,
     node_rank: Annotated[
-        int | None, typer.Option(help="This node's rank, 0..nnodes-1.", rich_help_panel=NODES)
+        int | None, option("This node's rank, 0..nnodes-1.", default="0", panel=NODES)
     ] = None,
     timeout: Annotated[
         float | None,
-        typer.Option(
-            help="Seconds the probe waits for every node (default 60).", rich_help_panel=PROBE
-        ),
+        option("Seconds the probe waits for every node.", default="60", panel=PROBE),
     ] = None,
     stage_timeout: Annotated[
-        float | None,
-        typer.Option(help="Seconds for each probe stage (default 15).", rich_help_panel=PROBE),
+        float | None, option("Seconds for each probe stage.", default="15", panel=PROBE)
     ] = None,
     json_output: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
 ) -> None:
-    """Check this node before a multi-GPU or multi-node run: versions, GPUs, network
-    interfaces, the master port; --probe runs a real all_reduce and barrier."""
+    """Check this node before a multi-GPU or multi-node run.
+
+    Versions, GPUs, network interfaces, the master port; --probe runs a real all_reduce
+    and barrier."""
     flags = {key: value for key, value in locals().items() if key != "json_output"}
     outcome: dict[str, bool] = {}
 

@@ -13,6 +13,7 @@ import typer
 
 from ddpcli import ui
 from ddpcli.cli import checkpoint_app, run_command
+from ddpcli.cli.options import option
 from ddpcli.errors import runtime_error
 
 CheckpointPath = Annotated[Path, typer.Argument(help="A checkpoint file (.pt).")]
@@ -21,7 +22,10 @@ JsonFlag = Annotated[bool, typer.Option("--json", help="Print one JSON document 
 
 @checkpoint_app.command("inspect")
 def inspect(path: CheckpointPath, json_output: JsonFlag = False) -> None:
-    """Show epoch, step, metrics, config, tensor and parameter counts, dtypes and devices.
+    """Show a checkpoint's progress, metrics, config and tensors.
+
+    Epoch, step, metrics, the resolved config, tensor and parameter counts, dtypes and
+    devices, and whether keys carry DDP's `module.` prefix.
 
     Loads with weights_only=True: a file that needs arbitrary Python objects is refused."""
 
@@ -41,14 +45,18 @@ def inspect(path: CheckpointPath, json_output: JsonFlag = False) -> None:
 def verify(
     path: CheckpointPath,
     arch: Annotated[
-        str | None, typer.Option(help="Model to check a plain state dict against.")
+        str | None,
+        option("Model to check a plain state dict against.", default="the file's, if named"),
     ] = None,
     num_classes: Annotated[
-        int | None, typer.Option(help="Classes of that model (default: from the file).")
+        int | None,
+        option("Classes of that model.", default="the file's, else its head's size"),
     ] = None,
     json_output: JsonFlag = False,
 ) -> None:
-    """Check the recorded SHA-256, finite tensors, and that the model accepts the weights.
+    """Check a checkpoint's digest, tensors and fit to its model.
+
+    The recorded SHA-256, finite tensors, and that the model accepts the weights.
 
     Loads with weights_only=True. Exit 1 with the reason if a check fails, 2 if the file
     cannot be read safely at all."""
@@ -87,7 +95,7 @@ def convert(
     ] = False,
     json_output: JsonFlag = False,
 ) -> None:
-    """Write the model's plain state dict, or a weights-only checkpoint.
+    """Write a plain state dict, or a weights-only checkpoint.
 
     The state dict is what `torchvision.models.ARCH(num_classes=N).load_state_dict` takes;
     --weights-only keeps epoch, metrics and config but drops optimizer and RNG state."""

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
 from ddpcli import ui
 from ddpcli.cli import _state, app, run_command
+from ddpcli.cli.options import option, setting
+from ddpcli.config import TrainConfig
 
 # --- train ----------------------------------------------------------------------------------
 
@@ -19,135 +21,178 @@ NODES = "Multi-node"
 OUTPUT = "Outputs and checkpoints"
 
 
+def train_option(
+    name: str, help: str | None = None, panel: str | None = None, default: str | None = None
+) -> Any:
+    """`--NAME` for TrainConfig's field NAME: help shows its default (or DEFAULT, in words)."""
+    return setting(TrainConfig, name, help, panel=panel, default=default)
+
+
 @app.command(no_args_is_help=False)
 def train(
-    recipe: Annotated[Path | None, typer.Option(help="TOML recipe; flags override it.")] = None,
+    recipe: Annotated[
+        Path | None, option("TOML recipe; flags override it.", default="none")
+    ] = None,
     dataset: Annotated[
-        str | None, typer.Option(help="synthetic | stl10 | imagefolder.", rich_help_panel=DATA)
+        str | None,
+        train_option("dataset", "Images to train on (stl10, imagefolder: --data-dir).", DATA),
     ] = None,
     data_dir: Annotated[
-        Path | None, typer.Option(help="Data folder.", rich_help_panel=DATA)
+        Path | None, train_option("data_dir", "Data folder.", DATA, default="none")
     ] = None,
     download: Annotated[
-        bool | None,
-        typer.Option(
-            "--download/--no-download", help="Fetch STL-10 on rank 0 first.", rich_help_panel=DATA
-        ),
-    ] = None,  # fmt: skip
+        bool | None, train_option("download", "Fetch STL-10 on rank 0 first.", DATA)
+    ] = None,
     image_size: Annotated[
-        int | None, typer.Option(help="Side in px.", rich_help_panel=DATA)
+        int | None,
+        train_option(
+            "image_size",
+            "Side in px.",
+            DATA,
+            default="32 synthetic, 96 stl10, 224 imagefolder (64 on the CPU)",
+        ),
     ] = None,
-    synthetic_size: Annotated[
-        int | None, typer.Option(help="Training images of the synthetic set.", rich_help_panel=DATA)
-    ] = None,
+    synthetic_size: Annotated[int | None, train_option("synthetic_size", panel=DATA)] = None,
     data_path: Annotated[
         str | None,
-        typer.Option(
-            help="auto | device (uint8 set in device memory, augmented there) | loader "
-            "(DataLoader workers). auto: device for synthetic/stl10 when the set takes at most "
-            "a quarter of free device memory.",
-            rich_help_panel=DATA,
+        train_option(
+            "data_path",
+            "device: the uint8 set in device memory, augmented there; loader: DataLoader "
+            "workers; auto: device for synthetic/stl10 when the set takes at most a quarter "
+            "of free device memory.",
+            DATA,
         ),
-    ] = None,  # fmt: skip
+    ] = None,
     workers: Annotated[
-        int | None, typer.Option(help="DataLoader workers per rank.", rich_help_panel=DATA)
+        int | None,
+        train_option("workers", panel=DATA, default="CPU cores per local rank - 1, at most 8"),
     ] = None,
     arch: Annotated[
         str | None,
-        typer.Option(help="torchvision model name or smallcnn/tinycnn.", rich_help_panel=MODEL),
+        train_option(
+            "arch",
+            "torchvision model name or smallcnn/tinycnn.",
+            MODEL,
+            default="resnet18 on GPUs, smallcnn on the CPU",
+        ),
     ] = None,
-    epochs: Annotated[int | None, typer.Option(rich_help_panel=MODEL)] = None,
+    epochs: Annotated[int | None, train_option("epochs", panel=MODEL)] = None,
     per_gpu_batch: Annotated[
-        int | None, typer.Option(help="Batch of one process.", rich_help_panel=MODEL)
+        int | None, train_option("per_gpu_batch", "Batch of one process.", MODEL)
     ] = None,
     accumulate: Annotated[
-        int | None, typer.Option(help="Micro-batches per optimizer step.", rich_help_panel=MODEL)
+        int | None, train_option("accumulate", "Micro-batches per optimizer step.", MODEL)
     ] = None,
-    lr: Annotated[
-        float | None, typer.Option(help="Peak learning rate.", rich_help_panel=MODEL)
-    ] = None,
-    momentum: Annotated[float | None, typer.Option(rich_help_panel=MODEL)] = None,
-    weight_decay: Annotated[float | None, typer.Option(rich_help_panel=MODEL)] = None,
-    warmup_epochs: Annotated[float | None, typer.Option(rich_help_panel=MODEL)] = None,
-    label_smoothing: Annotated[float | None, typer.Option(rich_help_panel=MODEL)] = None,
-    seed: Annotated[int | None, typer.Option(rich_help_panel=MODEL)] = None,
+    lr: Annotated[float | None, train_option("lr", "Peak learning rate.", MODEL)] = None,
+    momentum: Annotated[float | None, train_option("momentum", panel=MODEL)] = None,
+    weight_decay: Annotated[float | None, train_option("weight_decay", panel=MODEL)] = None,
+    warmup_epochs: Annotated[float | None, train_option("warmup_epochs", panel=MODEL)] = None,
+    label_smoothing: Annotated[float | None, train_option("label_smoothing", panel=MODEL)] = None,
+    seed: Annotated[int | None, train_option("seed", panel=MODEL)] = None,
     precision: Annotated[
-        str | None, typer.Option(help="auto | bf16 | fp16 | fp32.", rich_help_panel=MODEL)
+        str | None,
+        train_option("precision", "auto: bf16 on GPUs that have it, else fp32.", MODEL),
     ] = None,
     compile: Annotated[
-        bool | None,
-        typer.Option("--compile", help="torch.compile the model.", rich_help_panel=MODEL),
+        bool | None, train_option("compile", "torch.compile the model.", MODEL)
     ] = None,
     max_steps: Annotated[
-        int | None, typer.Option(help="Stop after N optimizer steps.", rich_help_panel=MODEL)
+        int | None,
+        train_option("max_steps", "Stop after N optimizer steps.", MODEL, default="no limit"),
     ] = None,
     gpus: Annotated[
         str | None,
-        typer.Option(help="Physical GPU indices, one process each: 0,3.", rich_help_panel=PROCS),
+        train_option(
+            "gpus",
+            "Physical GPU indices, one process each: 0,3.",
+            PROCS,
+            default="all GPUs, else 2 CPU processes",
+        ),
     ] = None,
-    cpu: Annotated[
-        bool | None, typer.Option("--cpu", help="Gloo processes on the CPU.", rich_help_panel=PROCS)
-    ] = None,
+    cpu: Annotated[bool | None, train_option("cpu", "Gloo processes on the CPU.", PROCS)] = None,
     nproc: Annotated[
         int | None,
-        typer.Option(help="Processes per node on the CPU (default 2).", rich_help_panel=PROCS),
-    ] = None,  # fmt: skip
+        train_option("nproc", "Processes per node on the CPU.", PROCS, default="2"),
+    ] = None,
     backend: Annotated[
-        str | None, typer.Option(help="auto | nccl | gloo.", rich_help_panel=PROCS)
+        str | None, train_option("backend", "auto: nccl on GPUs, gloo on the CPU.", PROCS)
     ] = None,
     strategy: Annotated[
-        str | None, typer.Option(help="ddp | dp | balanced-dp.", rich_help_panel=PROCS)
+        str | None,
+        train_option(
+            "strategy", "ddp: one process per device; dp, balanced-dp: nn.DataParallel.", PROCS
+        ),
     ] = None,
     gpu0_batch: Annotated[
         int | None,
-        typer.Option(
-            help="balanced-dp: GPU 0's share of each --per-gpu-batch batch (2 of 8 on three "
+        train_option(
+            "gpu0_batch",
+            "balanced-dp: GPU 0's share of each --per-gpu-batch batch (2 of 8 on three "
             "GPUs: 2+3+3).",
-            rich_help_panel=PROCS,
+            PROCS,
+            default="none",
         ),
     ] = None,
-    bucket_cap_mb: Annotated[
-        float | None,
-        typer.Option(help="DDP gradient bucket size in MB (default 25).", rich_help_panel=PROCS),
+    bucket_cap_mb: Annotated[float | None, train_option("bucket_cap_mb", panel=PROCS)] = None,
+    nnodes: Annotated[int | None, train_option("nnodes", panel=NODES)] = None,
+    node_rank: Annotated[int | None, train_option("node_rank", panel=NODES)] = None,
+    master_addr: Annotated[str | None, train_option("master_addr", panel=NODES)] = None,
+    master_port: Annotated[
+        int | None,
+        train_option("master_port", panel=NODES, default="a free port; 29500 on several nodes"),
     ] = None,
-    nnodes: Annotated[int | None, typer.Option(rich_help_panel=NODES)] = None,
-    node_rank: Annotated[int | None, typer.Option(rich_help_panel=NODES)] = None,
-    master_addr: Annotated[str | None, typer.Option(rich_help_panel=NODES)] = None,
-    master_port: Annotated[int | None, typer.Option(rich_help_panel=NODES)] = None,
     init_method: Annotated[
         str | None,
-        typer.Option(help="env:// | tcp://HOST:PORT | file:///PATH.", rich_help_panel=NODES),
+        train_option(
+            "init_method", "env:// | tcp://HOST:PORT | file:///PATH.", NODES, default="env://"
+        ),
     ] = None,
     ifname: Annotated[
-        str | None, typer.Option(help="Network interface for Gloo/NCCL.", rich_help_panel=NODES)
+        str | None,
+        train_option(
+            "ifname", "Network interface for Gloo/NCCL.", NODES, default="the one Gloo/NCCL pick"
+        ),
     ] = None,
-    timeout: Annotated[
-        float | None,
-        typer.Option(help="Seconds for init and each collective.", rich_help_panel=NODES),
-    ] = None,
-    max_restarts: Annotated[int | None, typer.Option(rich_help_panel=NODES)] = None,
+    timeout: Annotated[float | None, train_option("timeout", panel=NODES)] = None,
+    max_restarts: Annotated[int | None, train_option("max_restarts", panel=NODES)] = None,
     out: Annotated[
-        Path | None,
-        typer.Option(help="Output folder (default runs/<time>).", rich_help_panel=OUTPUT),
+        Path | None, train_option("out", "Output folder.", OUTPUT, default="runs/<time>")
     ] = None,
     resume: Annotated[
         str | None,
-        typer.Option(help="PATH or auto (OUT/checkpoints/last.pt).", rich_help_panel=OUTPUT),
+        train_option(
+            "resume",
+            "PATH or auto (OUT/checkpoints/last.pt).",
+            OUTPUT,
+            default="none: a fresh start",
+        ),
     ] = None,
-    save_every_steps: Annotated[int | None, typer.Option(rich_help_panel=OUTPUT)] = None,
+    save_every_steps: Annotated[
+        int | None,
+        train_option(
+            "save_every_steps",
+            "Also checkpoint every N steps.",
+            OUTPUT,
+            default="at epoch ends only",
+        ),
+    ] = None,
     keep_last: Annotated[
-        int | None, typer.Option(help="Epoch/step checkpoints to keep.", rich_help_panel=OUTPUT)
+        int | None, train_option("keep_last", "Epoch/step checkpoints to keep.", OUTPUT)
     ] = None,
     log_dir: Annotated[
-        Path | None, typer.Option(help="One log file per rank.", rich_help_panel=OUTPUT)
+        Path | None,
+        train_option("log_dir", "One log file per rank.", OUTPUT, default="none: the terminal"),
     ] = None,
-    log_every: Annotated[int | None, typer.Option(rich_help_panel=OUTPUT)] = None,
+    log_every: Annotated[int | None, train_option("log_every", panel=OUTPUT)] = None,
     dry_run: Annotated[
         bool, typer.Option("--dry-run", help="Print the resolved config and exit.")
     ] = False,
     json_output: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
 ) -> None:
-    """Train a model with DistributedDataParallel: one process per GPU, or Gloo on the CPU."""
+    """Train a model with DistributedDataParallel.
+
+    One process per GPU, or Gloo processes on the CPU; on one machine or several.
+    Settings come from the defaults, then a --recipe, then flags."""
     flags = {
         key: value
         for key, value in locals().items()
