@@ -14,7 +14,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from ddpcli.barrier import BarrierTimeout, run_rank
 from ddpcli.config import BarrierConfig
 from ddpcli.environments import read_launcher_env
-from ddpcli.errors import DdpcliError
+from ddpcli.errors import USAGE, DdpcliError
 from ddpcli.process import exit_with_error, skip_exit_collection
 
 
@@ -22,6 +22,8 @@ from ddpcli.process import exit_with_error, skip_exit_collection
 def main(argv: list[str]) -> None:
     cfg = BarrierConfig.model_validate_json(Path(argv[1]).read_text())
     env = read_launcher_env()
+    if env is None:
+        exit_with_error("no launcher set RANK and WORLD_SIZE: run `ddpcli bench-barrier`", USAGE)
     try:
         run_rank(cfg, env, workdir=Path(argv[2]))
         skip_exit_collection()
