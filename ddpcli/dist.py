@@ -11,6 +11,7 @@ import datetime
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -107,7 +108,7 @@ def init_distributed(
     )
 
 
-def rendezvous_args(env: LauncherEnv, init_method: str | None, timeout_s: float) -> dict:
+def rendezvous_args(env: LauncherEnv, init_method: str | None, timeout_s: float) -> dict[str, Any]:
     """Where the ranks meet. A store that outlives the workers (the agent's, a file:// file)
     still holds the dead ranks' addresses after a restart (--max-restarts): restarted Gloo
     ranks read them and fail to connect. Each attempt then gets its own key prefix."""
@@ -124,6 +125,11 @@ def attempt_store(env: LauncherEnv, timeout_s: float) -> dist.Store:
     """The elastic agent's store, under a prefix per restart. With plain env:// the agent
     reuses one store across restarts, and restarted Gloo ranks can read the dead ranks'
     addresses and fail to connect (seen on torch 2.14 with --max-restarts)."""
+    if env.master_addr is None or env.master_port is None:
+        raise usage_error(
+            f"rank {env.rank}: TORCHELASTIC_USE_AGENT_STORE is set but MASTER_ADDR and "
+            "MASTER_PORT, where the agent's store listens, are not"
+        )
     store = dist.TCPStore(
         env.master_addr,
         env.master_port,
@@ -168,7 +174,10 @@ def all_reduce_max(tensor: torch.Tensor, ctx: DistContext) -> torch.Tensor:
     return tensor
 
 
-def broadcast_object(value, ctx: DistContext, src: int = 0):
+Value = TypeVar("Value")
+
+
+def broadcast_object(value: Value, ctx: DistContext, src: int = 0) -> Value:
     if not ctx.distributed:
         return value
     holder = [value]

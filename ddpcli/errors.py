@@ -9,7 +9,7 @@ RUNTIME = 1  # a rank died, a timeout, a collective failed
 class DdpcliError(Exception):
     """An error meant for the user: the CLI prints `message` (no traceback) and exits."""
 
-    def __init__(self, message: str, exit_code: int = USAGE):
+    def __init__(self, message: str, exit_code: int = USAGE) -> None:
         super().__init__(message)
         self.message = message
         self.exit_code = exit_code

@@ -22,7 +22,7 @@ HASH_CHUNK = 1 << 20
 class _HashingWriter:
     """A file wrapper that hashes what torch.save writes, so the SHA-256 costs no re-read."""
 
-    def __init__(self, handle: BinaryIO):
+    def __init__(self, handle: BinaryIO) -> None:
         self.handle = handle
         self.sha256 = hashlib.sha256()
 
@@ -102,7 +102,8 @@ def atomic_save(obj: Any, path: Path) -> str:
     try:
         with os.fdopen(fd, "wb") as handle:
             writer = _HashingWriter(handle)
-            torch.save(obj, writer)
+            # torch.save takes any object with write() and flush(), as its docs say; its hint: IO.
+            torch.save(obj, writer)  # type: ignore[arg-type]
             handle.flush()
             os.fsync(handle.fileno())
         digest = writer.sha256.hexdigest()

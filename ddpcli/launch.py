@@ -14,6 +14,7 @@ import sys
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from ddpcli import ui
 from ddpcli.config import TrainConfig
@@ -22,10 +23,14 @@ from ddpcli.errors import USAGE, DdpcliError, first_line, runtime_error, usage_e
 from ddpcli.machine import cpu_count
 from ddpcli.process import freeze_imported_objects
 
+if TYPE_CHECKING:  # torch is imported where a launch needs it, not with this module
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+    from torch.distributed.launcher.api import LaunchConfig
+
 WORKER_MODULE = "ddpcli.worker"
 
 
-def launch_train(cfg: TrainConfig, debug: bool = False) -> dict:
+def launch_train(cfg: TrainConfig, debug: bool = False) -> dict[str, Any]:
     """Run the training job and return rank 0's summary."""
     freeze_imported_objects()
     launcher = read_launcher_env()
@@ -73,7 +78,7 @@ class WorkerJob:
     log_dir: str | None = None
 
 
-def launch_config(job: WorkerJob):
+def launch_config(job: WorkerJob) -> LaunchConfig:
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
     from torch.distributed.launcher.api import LaunchConfig
 
@@ -256,8 +261,8 @@ def wait_for_port(job: WorkerJob) -> None:
             time.sleep(0.5)
 
 
-def _launch_elastic(cfg: TrainConfig, debug: bool) -> dict:
-    out = Path(cfg.out)
+def _launch_elastic(cfg: TrainConfig, debug: bool) -> dict[str, Any]:
+    out = cfg.resolved_out
     out.mkdir(parents=True, exist_ok=True)
     # One request per node: on a shared --out (needed to resume on several nodes) the
     # nodes must not overwrite, or delete, each other's.
@@ -295,7 +300,7 @@ def train_environment(cfg: TrainConfig) -> dict[str, str]:
     return worker_environment(gpus, cfg.nproc_per_node, cfg.ifname)
 
 
-def describe_failure(failure, log_dir: str | None = None) -> DdpcliError:
+def describe_failure(failure: ChildFailedError, log_dir: str | None = None) -> DdpcliError:
     """Name the first rank that failed, how it ended, and the last lines it printed."""
     rank, first = first_cause(failure)
     how = exit_in_words(first.exitcode)
@@ -322,18 +327,18 @@ PEER_LOST = ("closed by peer", "reset by peer", "Broken pipe", "remote process e
 TIMED_OUT = ("Timed out", "timed out", "Timeout", "timeout")
 
 
-def first_cause(failure):
+def first_cause(failure: ChildFailedError) -> tuple[int, ProcessFailure]:
     """The rank whose failure started it all. The agent orders failures by a timestamp in
     whole seconds, so a rank that only lost its peer, or that the agent stopped (SIGTERM),
     can tie with the rank that really died and be named first."""
 
-    def order(item):
+    def order(item: tuple[int, ProcessFailure]) -> tuple[bool, int]:
         return bool(knock_on_effect(item[1])), item[1].timestamp
 
     return sorted(failure.failures.items(), key=order)[0]
 
 
-def knock_on_effect(failure) -> str:
+def knock_on_effect(failure: ProcessFailure) -> str:
     """Why this failure is probably not the cause, or "" if it may be."""
     if failure.exitcode == -signal.SIGTERM:
         return "it was stopped because another rank failed"
@@ -376,9 +381,11 @@ def exit_in_words(exitcode: int) -> str:
     return f"exit code {exitcode}"
 
 
-def failure_text(failure) -> str:
+def failure_text(failure: ProcessFailure) -> str:
     """The worker's recorded traceback or message, if it left one."""
-    message = failure.message if isinstance(failure.message, str) else ""
+    # torch annotates `message` as str; it holds the error file's dict when the worker left one.
+    recorded: object = failure.message
+    message = recorded if isinstance(recorded, str) else ""
     if isinstance(failure.error_file_data, dict):
         message = failure.error_file_data.get("message", {})
         if isinstance(message, dict):
@@ -387,7 +394,7 @@ def failure_text(failure) -> str:
     return str(message)
 
 
-def error_tail(failure, lines: int = 3) -> str:
+def error_tail(failure: ProcessFailure, lines: int = 3) -> str:
     """The end of the worker's recorded traceback, if it left one."""
     # Python 3.11 underlines the failing expression with ^ and ~: no information here.
     text = [line for line in failure_text(failure).strip().splitlines() if line.strip(" ^~")]

@@ -21,7 +21,7 @@ def _conv_bn(in_channels: int, out_channels: int) -> nn.Sequential:
 class SmallCNN(nn.Module):
     """Three conv stages and a linear head: learns 32 px images in seconds on a CPU core."""
 
-    def __init__(self, num_classes: int = 10, width: int = 32):
+    def __init__(self, num_classes: int = 10, width: int = 32) -> None:
         super().__init__()
         self.features = nn.Sequential(
             _conv_bn(3, width),
@@ -40,7 +40,7 @@ class SmallCNN(nn.Module):
 class TinyCNN(SmallCNN):
     """The smallest useful net, for tests."""
 
-    def __init__(self, num_classes: int = 10):
+    def __init__(self, num_classes: int = 10) -> None:
         super().__init__(num_classes, width=8)
 
 

@@ -11,6 +11,7 @@ import gc
 import os
 import signal
 import sys
+from typing import NoReturn
 
 from ddpcli import ui
 
@@ -51,7 +52,7 @@ def collect_then_freeze() -> None:
     gc.freeze()
 
 
-def exit_with_error(message: str, exit_code: int) -> None:
+def exit_with_error(message: str, exit_code: int) -> NoReturn:
     """A rank's last word: one line, then out at once, skipping atexit hooks that could
     wait on dead peers. The agent now stops the other ranks with SIGTERM, maybe this one
     too: no stack dump for that."""

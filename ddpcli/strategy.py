@@ -13,9 +13,15 @@ The legacy modes exist so that a user can measure why DDP is the default.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import torch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
+from torch.nn.parallel import DistributedDataParallel, comm
+
+from ddpcli.config import TrainConfig
+from ddpcli.dist import DistContext
 
 
 def balanced_split(batch: int, gpus: int, gpu0_batch: int) -> list[int]:
@@ -49,29 +55,40 @@ def dataparallel_split(batch: int, gpus: int) -> list[int]:
 def batch_split(strategy: str, batch: int, gpus: int, gpu0_batch: int | None) -> list[int]:
     """Samples per GPU of one batch under a single-process strategy."""
     if strategy == "balanced-dp":
-        return balanced_split(batch, gpus, gpu0_batch)
+        return balanced_split(batch, gpus, require_gpu0_batch(gpu0_batch))
     return dataparallel_split(batch, gpus)
+
+
+def require_gpu0_batch(gpu0_batch: int | None) -> int:
+    """TrainConfig refuses balanced-dp without --gpu0-batch; None here is a caller's bug."""
+    if gpu0_batch is None:
+        raise ValueError("balanced-dp needs gpu0_batch, GPU 0's share of each batch")
+    return gpu0_batch
 
 
 class BalancedDataParallel(nn.DataParallel):
     """nn.DataParallel whose scatter gives GPU 0 `gpu0_batch` samples of each batch."""
 
-    def __init__(self, gpu0_batch: int, module: nn.Module, device_ids: list[int]):
+    def __init__(self, gpu0_batch: int, module: nn.Module, device_ids: list[int]) -> None:
         super().__init__(module, device_ids=device_ids)
         self.gpu0_batch = gpu0_batch
 
-    def scatter(self, inputs, kwargs, device_ids):
+    def scatter(
+        self,
+        inputs: tuple[Any, ...],
+        kwargs: dict[str, Any] | None,
+        device_ids: Sequence[int | torch.device],
+    ) -> tuple[tuple[tuple[torch.Tensor], ...], tuple[dict[str, Any], ...]]:
         if kwargs or len(inputs) != 1 or not isinstance(inputs[0], torch.Tensor):
             raise TypeError("BalancedDataParallel scatters a single batch tensor")
         batch = inputs[0]
         shares = balanced_split(batch.shape[self.dim], len(device_ids), self.gpu0_batch)
-        devices = [torch.device("cuda", index) for index in device_ids[: len(shares)]]
         # The images need no gradient, so the plain (non-autograd) scatter is enough.
-        pieces = torch.cuda.comm.scatter(batch, devices, chunk_sizes=shares, dim=self.dim)
+        pieces = comm.scatter(batch, device_ids[: len(shares)], chunk_sizes=shares, dim=self.dim)
         return tuple((piece,) for piece in pieces), tuple({} for _ in pieces)
 
 
-def wrap_model(model: nn.Module, cfg, ctx) -> nn.Module:
+def wrap_model(model: nn.Module, cfg: TrainConfig, ctx: DistContext) -> nn.Module:
     """The model on ctx.device, wrapped for the configured strategy."""
     if cfg.strategy == "ddp":
         if not ctx.distributed:
@@ -85,15 +102,16 @@ def wrap_model(model: nn.Module, cfg, ctx) -> nn.Module:
     device_ids = list(range(torch.cuda.device_count()))
     if cfg.strategy == "dp":
         return nn.DataParallel(model, device_ids=device_ids)
-    return BalancedDataParallel(cfg.gpu0_batch, model, device_ids)
+    return BalancedDataParallel(require_gpu0_batch(cfg.gpu0_batch), model, device_ids)
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    wrapped = isinstance(model, (DistributedDataParallel, nn.DataParallel))
-    return model.module if wrapped else model
+    if isinstance(model, (DistributedDataParallel, nn.DataParallel)):
+        return model.module
+    return model
 
 
-def model_devices(model: nn.Module, ctx) -> list[torch.device]:
+def model_devices(model: nn.Module, ctx: DistContext) -> list[torch.device]:
     """The devices this process trains on: every GPU for DataParallel, else its own."""
     if isinstance(model, nn.DataParallel):
         return [torch.device("cuda", index) for index in model.device_ids]

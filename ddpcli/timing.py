@@ -52,7 +52,9 @@ def percentiles_us(samples_us: Sequence[float] | np.ndarray) -> dict[str, float]
     }
 
 
-def bandwidth_gbps(collective: str, moved_bytes: int, seconds: float, world_size: int) -> dict:
+def bandwidth_gbps(
+    collective: str, moved_bytes: int, seconds: float, world_size: int
+) -> dict[str, float]:
     """Algorithm and bus bandwidth in GB/s, as nccl-tests reports them."""
     algbw = moved_bytes / max(seconds, 1e-12) / 1e9
     return {"algbw_GBps": algbw, "busbw_GBps": algbw * BUS_FACTOR[collective](world_size)}

@@ -11,7 +11,10 @@ import json
 import math
 import resource
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -44,7 +47,7 @@ TIMING_WARMUP_STEPS = 3  # the first steps pay for allocation and autotuning; no
 
 def build_parallel_model(cfg: TrainConfig, ctx: DistContext, num_classes: int) -> nn.Module:
     torch.manual_seed(cfg.seed)  # identical initial weights everywhere (DDP also broadcasts)
-    model = build_model(cfg.arch, num_classes).to(ctx.device)
+    model = build_model(cfg.resolved_arch, num_classes).to(ctx.device)
     if ctx.device.type == "cuda":
         model = model.to(memory_format=torch.channels_last)
     return wrap_model(model, cfg, ctx)
@@ -52,7 +55,8 @@ def build_parallel_model(cfg: TrainConfig, ctx: DistContext, num_classes: int) -
 
 def build_optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
     # No weight decay on norms and biases: the usual recipe for BN nets.
-    decay, no_decay = [], []
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
     for parameter in model.parameters():
         (no_decay if parameter.ndim <= 1 else decay).append(parameter)
     groups = [
@@ -67,7 +71,7 @@ def build_optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer
         return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=True)
 
 
-def warmup_cosine(total_steps: int, warmup_steps: int):
+def warmup_cosine(total_steps: int, warmup_steps: int) -> Callable[[int], float]:
     def factor(step: int) -> float:
         if step < warmup_steps:
             return (step + 1) / warmup_steps
@@ -77,7 +81,7 @@ def warmup_cosine(total_steps: int, warmup_steps: int):
     return factor
 
 
-def autocast_context(cfg: TrainConfig, ctx: DistContext):
+def autocast_context(cfg: TrainConfig, ctx: DistContext) -> AbstractContextManager[object]:
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision)
     if dtype is None:
         return contextlib.nullcontext()
@@ -88,7 +92,7 @@ def autocast_context(cfg: TrainConfig, ctx: DistContext):
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig, ctx: DistContext, data: DataPipeline):
+    def __init__(self, cfg: TrainConfig, ctx: DistContext, data: DataPipeline) -> None:
         self.cfg, self.ctx, self.data = cfg, ctx, data
         if ctx.device.type == "cuda":
             torch.backends.cudnn.benchmark = True  # fixed shapes: pick conv algorithms once
@@ -108,7 +112,7 @@ class Trainer:
         self.state = TrainState()
         self.first_step_pending = True
         self.writer = CheckpointWriter(cfg, ctx)
-        self.out = Path(cfg.out)
+        self.out = cfg.resolved_out
 
     # --- checkpoints
     def parts(self) -> TrainingParts:
@@ -132,7 +136,7 @@ class Trainer:
             ui.info(f"resumed from {path} at {where} (step {self.state.step})")
 
     # --- training
-    def fit(self) -> dict:
+    def fit(self) -> dict[str, Any]:
         resume_path = self.agreed_resume_path()
         if resume_path:
             self.resume(resume_path)
@@ -200,7 +204,7 @@ class Trainer:
             note += f" ({per_step} per optimizer step)"
         return note + f" over {gpus} GPUs"
 
-    def run_epoch(self, progress: ui.TrainProgress) -> dict:
+    def run_epoch(self, progress: ui.TrainProgress) -> dict[str, Any]:
         cfg, ctx, state = self.cfg, self.ctx, self.state
         self.model.train()
         sums = torch.zeros(3, device=ctx.device, dtype=torch.float64)  # loss, correct, count
@@ -244,7 +248,7 @@ class Trainer:
             **({"first_step_at": first_step_at} if first_step_at else {}),
         }
 
-    def memory_metrics(self) -> dict:
+    def memory_metrics(self) -> dict[str, list[float]]:
         """Peak memory so far: per GPU on CUDA (by rank with DDP, by GPU with dp), and the
         host's peak resident set per rank (what a CPU run uses)."""
         rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
@@ -259,10 +263,16 @@ class Trainer:
             )
         return metrics
 
-    def train_micro_step(self, images, labels, sums, steps_now: bool) -> None:
-        # Gradients are all-reduced only on the micro-step that steps the optimizer.
-        skip_sync = not steps_now and isinstance(self.model, DistributedDataParallel)
-        with self.model.no_sync() if skip_sync else contextlib.nullcontext():
+    def gradient_sync(self, steps_now: bool) -> AbstractContextManager[object]:
+        """Gradients are all-reduced only on the micro-step that steps the optimizer."""
+        if not steps_now and isinstance(self.model, DistributedDataParallel):
+            return self.model.no_sync()
+        return contextlib.nullcontext()
+
+    def train_micro_step(
+        self, images: torch.Tensor, labels: torch.Tensor, sums: torch.Tensor, steps_now: bool
+    ) -> None:
+        with self.gradient_sync(steps_now):
             with autocast_context(self.cfg, self.ctx):
                 logits = self.forward_model(images)
                 loss = self.loss_fn(logits, labels)
@@ -277,7 +287,13 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             self.scheduler.step()
 
-    def after_optimizer_step(self, sums, progress, timer, last_micro: bool) -> None:
+    def after_optimizer_step(
+        self,
+        sums: torch.Tensor,
+        progress: ui.TrainProgress,
+        timer: StepTimer,
+        last_micro: bool,
+    ) -> None:
         state, cfg = self.state, self.cfg
         if state.step % cfg.log_every == 0 or last_micro:
             loss, acc = self.reduce_means(sums)
@@ -311,7 +327,7 @@ class Trainer:
         count = max(total[2], 1.0)
         return total[0] / count, total[1] / count, int(total[2])
 
-    def finish_epoch(self, metrics: dict) -> None:
+    def finish_epoch(self, metrics: dict[str, Any]) -> None:
         state = self.state
         state.history.append(metrics)
         is_best = metrics["val_acc"] > state.best_val_acc
@@ -343,7 +359,7 @@ class StepTimer:
     """Images per second over the epoch's steps after the first few, summed over ranks.
     Synchronises the device only at the window's edges, never per step."""
 
-    def __init__(self, device: torch.device, planned_steps: int):
+    def __init__(self, device: torch.device, planned_steps: int) -> None:
         self.device = device
         self.warmup = min(TIMING_WARMUP_STEPS, planned_steps // 2)
         self.seen = 0

@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.distributed.elastic.multiprocessing.errors import get_error_handler, record
@@ -22,7 +23,7 @@ from ddpcli.data.pipeline import DataPipeline
 from ddpcli.data.sets import load_splits
 from ddpcli.dist import DistContext, init_distributed, shutdown
 from ddpcli.environments import LauncherEnv, read_launcher_env
-from ddpcli.errors import DdpcliError, debug_requested, first_line
+from ddpcli.errors import USAGE, DdpcliError, debug_requested, first_line
 from ddpcli.machine import cpu_count
 from ddpcli.process import (
     collect_then_freeze,
@@ -37,7 +38,7 @@ SUMMARY_FILE = "summary.json"
 
 def finalize_for_device(cfg: TrainConfig, ctx: DistContext) -> TrainConfig:
     """The settings only a worker can resolve: they depend on the device it was given."""
-    updates: dict = {"backend": ctx.backend}
+    updates: dict[str, Any] = {"backend": ctx.backend}
     if cfg.precision == "auto":
         gpu_bf16 = ctx.device.type == "cuda" and torch.cuda.is_bf16_supported()
         updates["precision"] = "bf16" if gpu_bf16 else "fp32"
@@ -60,10 +61,10 @@ def keep_data_on_device(cfg: TrainConfig, ctx: DistContext) -> bool:
         return True
     free, _ = torch.cuda.mem_get_info(ctx.device)
     images = cfg.synthetic_size * 1.25 if cfg.dataset == "synthetic" else 13_000  # train + val
-    return images * 3 * cfg.image_size**2 < DEVICE_DATA_FRACTION * free
+    return images * 3 * cfg.resolved_image_size**2 < DEVICE_DATA_FRACTION * free
 
 
-def run_worker(cfg: TrainConfig, env: LauncherEnv) -> dict:
+def run_worker(cfg: TrainConfig, env: LauncherEnv) -> dict[str, Any]:
     torch.set_num_threads(max(1, cpu_count() // max(1, env.local_world_size)))
     keep_freed_memory()
     if env.restart_count > 0 and cfg.resume is None:
@@ -79,7 +80,7 @@ def run_worker(cfg: TrainConfig, env: LauncherEnv) -> dict:
     )
     try:
         cfg = finalize_for_device(cfg, ctx)
-        out = Path(cfg.out)
+        out = cfg.resolved_out
         if ctx.is_main:
             out.mkdir(parents=True, exist_ok=True)
             (out / "config.json").write_text(cfg.model_dump_json(indent=2) + "\n")
@@ -133,6 +134,8 @@ def main(argv: list[str]) -> None:
     faulthandler.register(signal.SIGTERM, chain=True)
     cfg = TrainConfig.model_validate_json(Path(argv[1]).read_text())
     env = read_launcher_env()
+    if env is None:
+        exit_with_error("no launcher set RANK and WORLD_SIZE: run `ddpcli train`", USAGE)
     try:
         run_worker(cfg, env)
         collect_then_freeze()

@@ -33,6 +33,7 @@ from ddpcli.checkpoint.schema import (
 )
 from ddpcli.checkpoint.writer import CheckpointWriter
 from ddpcli.cli import app
+from ddpcli.config import TrainConfig
 from ddpcli.errors import DdpcliError
 from ddpcli.files import atomic_save, digest_status, sha256_path
 
@@ -49,7 +50,6 @@ def invoke(*args: str):
 
 def training_payload(arch: str = "tinycnn", num_classes: int = 10, prefix: str = "") -> dict:
     """What Trainer.checkpoint_payload writes, built without a training run."""
-    from ddpcli.config import TrainConfig
     from ddpcli.models import build_model
 
     torch.manual_seed(0)
@@ -181,7 +181,7 @@ def test_kill_during_save_leaves_the_previous_last_intact(tmp_path):
     payload = safe_load(last, check_digest=True)
     assert payload["epoch"] == 1 and bool((payload["weights"] == 1.0).all())
     # The next save of the run sweeps the orphaned temporary file.
-    writer = CheckpointWriter(SimpleNamespace(out=tmp_path.parent, keep_last=0), main_rank())
+    writer = CheckpointWriter(TrainConfig(out=tmp_path.parent, keep_last=0), main_rank())
     writer.directory = tmp_path
     writer.save({"epoch": 3}, "epoch-0003.pt", is_best=False)
     assert not partial.exists()
@@ -206,7 +206,7 @@ def main_rank():
 
 
 def test_keep_last_keeps_the_newest_numbered_files_besides_last_and_best(tmp_path):
-    writer = CheckpointWriter(SimpleNamespace(out=tmp_path, keep_last=2), main_rank())
+    writer = CheckpointWriter(TrainConfig(out=tmp_path, keep_last=2), main_rank())
     names = ["step-00000003.pt", "epoch-0001.pt", "step-00000011.pt", "epoch-0002.pt"]
     for index, name in enumerate(names):
         writer.save({"index": index}, name, is_best=index == 1)
@@ -435,8 +435,8 @@ def test_convert_refuses_to_overwrite_its_input(saved):
 # --- Resume helpers: refuse early and precisely ------------------------------------------
 
 
-def resume_config(tmp_path: Path, resume: str):
-    return SimpleNamespace(resume=resume, out=tmp_path / "run")
+def resume_config(tmp_path: Path, resume: str) -> TrainConfig:
+    return TrainConfig(resume=resume, out=tmp_path / "run")
 
 
 def test_check_resume_source_refuses_before_any_worker_starts(tmp_path, saved):

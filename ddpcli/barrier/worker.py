@@ -15,7 +15,7 @@ from ddpcli.barrier.rank import BarrierTimeout
 from ddpcli.barrier.run import run_rank
 from ddpcli.config import BarrierConfig
 from ddpcli.environments import read_launcher_env
-from ddpcli.errors import DdpcliError
+from ddpcli.errors import USAGE, DdpcliError
 from ddpcli.process import collect_then_freeze, exit_with_error
 
 
@@ -23,6 +23,8 @@ from ddpcli.process import collect_then_freeze, exit_with_error
 def main(argv: list[str]) -> None:
     cfg = BarrierConfig.model_validate_json(Path(argv[1]).read_text())
     env = read_launcher_env()
+    if env is None:
+        exit_with_error("no launcher set RANK and WORLD_SIZE: run `ddpcli bench-barrier`", USAGE)
     try:
         run_rank(cfg, env, workdir=Path(argv[2]))
         collect_then_freeze()

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ddpcli.errors import first_line, usage_error
+from ddpcli.errors import DdpcliError, first_line, usage_error
 from ddpcli.files import digest_status, sha256_path
 
 DDP_PREFIX = "module."
@@ -82,7 +82,7 @@ def _corruption_detail(path: Path, error: Exception) -> str:
     return f"{type(error).__name__}: {first_line(error, limit=200)}"
 
 
-def _refusal(path: Path, error: pickle.UnpicklingError):
+def _refusal(path: Path, error: pickle.UnpicklingError) -> DdpcliError:
     """The weights-only unpickler stopped: say whether the file wanted a Python object (the
     dangerous case) or is simply not a pickle it accepts (corrupt, or not from torch.save)."""
     text = str(error)
@@ -126,7 +126,9 @@ def model_state(payload: Any) -> dict[str, torch.Tensor] | None:
     return None
 
 
-def load_model_state(model: torch.nn.Module, state_dict: dict, path: Path) -> None:
+def load_model_state(
+    model: torch.nn.Module, state_dict: dict[str, torch.Tensor], path: Path
+) -> None:
     state_dict = strip_ddp_prefix(state_dict)
     problems = state_dict_mismatch(model, state_dict)
     if problems:
@@ -140,7 +142,7 @@ def load_model_state(model: torch.nn.Module, state_dict: dict, path: Path) -> No
 def state_dict_mismatch(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> list[str]:
     """Missing keys, unexpected keys and shape differences, each in a few words."""
     expected = model.state_dict()
-    problems = []
+    problems: list[str] = []
     missing = [key for key in expected if key not in state]
     unexpected = [key for key in state if key not in expected]
     if missing:

@@ -52,9 +52,9 @@ def _dtype_name(dtype: torch.dtype) -> str:
 def inspect_checkpoint(path: Path) -> dict[str, Any]:
     """Everything a person or a script wants to know about a checkpoint, as plain data."""
     path = Path(path)
-    storage_devices: Counter = Counter()
+    storage_devices: Counter[str] = Counter()
 
-    def record_device(storage, location: str):
+    def record_device(storage: object, location: str) -> object:
         storage_devices[location] += 1  # where it was saved from; loaded onto the CPU here
         return storage
 
@@ -76,9 +76,10 @@ def inspect_checkpoint(path: Path) -> dict[str, Any]:
     return report
 
 
-def training_summary(payload: dict) -> dict[str, Any]:
-    config = payload.get("config") if isinstance(payload.get("config"), dict) else {}
-    metrics = payload.get("metrics") if isinstance(payload.get("metrics"), list) else []
+def training_summary(payload: dict[str, Any]) -> dict[str, Any]:
+    saved_config, saved_metrics = payload.get("config"), payload.get("metrics")
+    config = saved_config if isinstance(saved_config, dict) else {}
+    metrics = saved_metrics if isinstance(saved_metrics, list) else []
     return {
         "format": payload.get("format"),
         "epochs_done": payload.get("epoch"),
@@ -147,7 +148,8 @@ def _check_digest(path: Path) -> dict[str, str]:
 
 
 def _check_finite(payload: Any) -> dict[str, str]:
-    bad, checked = [], 0
+    bad: list[str] = []
+    checked = 0
     for name, tensor in iter_tensors(payload):
         if not (tensor.is_floating_point() or tensor.is_complex()):
             continue

@@ -44,7 +44,7 @@ class TrainState:
     batch_in_epoch: int = 0  # micro-batches of `epoch` already trained
     step: int = 0  # optimizer steps taken
     best_val_acc: float = -1.0
-    history: list[dict] = field(default_factory=list)
+    history: list[dict[str, Any]] = field(default_factory=list)
     partial_sums: list[float] | None = None  # global [loss_sum, correct, count] mid-epoch
 
 
@@ -103,7 +103,7 @@ def restore_training(
     )
 
 
-def weights_only_payload(payload: dict, state: dict[str, torch.Tensor]) -> dict[str, Any]:
+def weights_only_payload(payload: dict[str, Any], state: dict[str, torch.Tensor]) -> dict[str, Any]:
     """Our checkpoint without optimizer, scheduler and RNG state (`checkpoint convert`)."""
     kept = ("format", "epoch", "step", "best_val_acc", "metrics", "config", "num_classes")
     document = {key: payload[key] for key in kept if key in payload}
@@ -138,7 +138,7 @@ def check_training_payload(payload: Any, path: Path) -> None:
         )
 
 
-def resume_warnings(payload: dict, config: dict, world_size: int) -> list[str]:
+def resume_warnings(payload: dict[str, Any], config: dict[str, Any], world_size: int) -> list[str]:
     """What makes the resumed run differ from the uninterrupted one."""
     notes = []
     if payload["world_size"] != world_size:
@@ -176,7 +176,7 @@ def find_resume_path(cfg: TrainConfig) -> Path | None:
     if not cfg.resume:
         return None
     if cfg.resume == "auto":
-        last = Path(cfg.out) / "checkpoints" / "last.pt"
+        last = cfg.resolved_out / "checkpoints" / "last.pt"
         return last if last.is_file() else None
     path = Path(cfg.resume)
     if path.is_dir():
@@ -191,7 +191,9 @@ def find_resume_path(cfg: TrainConfig) -> Path | None:
 
 def capture_rng_state() -> dict[str, Any]:
     version, internal, gauss = random.getstate()
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    numpy_state = np.random.get_state(legacy=True)
+    assert isinstance(numpy_state, tuple), "the global RandomState is MT19937: a legacy tuple"
+    kind, keys, pos, has_gauss, cached = numpy_state
     state = {
         "python": [version, list(internal), gauss],
         "numpy": {

@@ -17,8 +17,8 @@ class CheckpointWriter:
     keeps only the newest `keep_last` epoch/step files. Only rank 0 touches the disk; the
     barrier after it means no rank can read or overwrite a file that is half written."""
 
-    def __init__(self, cfg: TrainConfig, ctx: DistContext):
-        self.directory = Path(cfg.out) / "checkpoints"
+    def __init__(self, cfg: TrainConfig, ctx: DistContext) -> None:
+        self.directory = cfg.resolved_out / "checkpoints"
         self.keep_last = cfg.keep_last
         self.ctx = ctx
 
@@ -51,7 +51,7 @@ class CheckpointWriter:
             stale.unlink(missing_ok=True)
 
 
-def write_metrics_history(path: Path, history: list[dict]) -> None:
+def write_metrics_history(path: Path, history: list[dict[str, Any]]) -> None:
     """metrics.jsonl from the checkpoint's history: after a resume each epoch is there exactly
     once, even if the interrupted run had appended an epoch its last checkpoint never saw."""
     write_text_atomic(Path(path), "".join(json.dumps(metrics) + "\n" for metrics in history))

@@ -25,7 +25,7 @@ DEFAULT_WORK_S = 0.3  # zero-first demo without --sleeps/--stagger: every rank w
 
 def parse_size_list(text: str, name: str) -> list[int]:
     """Byte counts the way nccl-tests writes them: 4,1K,1M,64M (K, M, G are powers of 1024)."""
-    sizes = []
+    sizes: list[int] = []
     for part in text.replace(" ", "").upper().split(","):
         if part == "":
             continue
@@ -81,7 +81,9 @@ class BarrierConfig(BaseModel):
 
     @field_validator("sleeps")
     @classmethod
-    def _one_sleep_per_rank(cls, value: list[float] | None, info: ValidationInfo):
+    def _one_sleep_per_rank(
+        cls, value: list[float] | None, info: ValidationInfo
+    ) -> list[float] | None:
         if value is None:
             return value
         if any(not 0 <= seconds <= 3600 for seconds in value):

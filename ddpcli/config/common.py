@@ -59,7 +59,7 @@ def check_node_rank(node_rank: int, nnodes: int) -> None:
 
 def describe_validation_error(error: ValidationError) -> str:
     """One line per problem, naming the flag and what is allowed."""
-    lines = []
+    lines: list[str] = []
     for problem in error.errors():
         field = ".".join(str(part) for part in problem["loc"] if not isinstance(part, int))
         message = problem["msg"].removeprefix("Value error, ")

@@ -12,7 +12,7 @@ import re
 import sys
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -133,7 +133,7 @@ class TrainConfig(BaseModel):
     def nproc_per_node(self) -> int:
         if self.strategy != "ddp":
             return 1
-        return len(self.gpus) if self.uses_gpus else (self.nproc or 2)
+        return len(self.gpus) if self.gpus and not self.cpu else (self.nproc or 2)
 
     @property
     def world_size(self) -> int:
@@ -142,6 +142,28 @@ class TrainConfig(BaseModel):
     @property
     def global_batch(self) -> int:
         return self.per_gpu_batch * self.world_size * self.accumulate
+
+    # Settings `ddpcli.resolve` fills in before any worker starts: None only until then.
+    @property
+    def resolved_out(self) -> Path:
+        return _resolved(self.out, "out")
+
+    @property
+    def resolved_arch(self) -> str:
+        return _resolved(self.arch, "arch")
+
+    @property
+    def resolved_image_size(self) -> int:
+        return _resolved(self.image_size, "image_size")
+
+
+Value = TypeVar("Value")
+
+
+def _resolved(value: Value | None, name: str) -> Value:
+    if value is None:
+        raise RuntimeError(f"TrainConfig.{name} read before ddpcli.resolve filled it in")
+    return value
 
 
 def load_recipe(path: Path) -> dict[str, Any]:
