@@ -22,8 +22,10 @@ from ddpcli.environments import read_launcher_env
 from ddpcli.errors import USAGE, DdpcliError, first_line, runtime_error, usage_error
 from ddpcli.machine import cpu_count
 from ddpcli.process import freeze_imported_objects
+from ddpcli.rollcall import MasterUnreachable, NodeZeroGaveUp, RollCall, open_store
 
 if TYPE_CHECKING:  # torch is imported where a launch needs it, not with this module
+    from torch.distributed import Store
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
     from torch.distributed.launcher.api import LaunchConfig
 
@@ -152,23 +154,22 @@ def run_workers(job: WorkerJob, debug: bool = False) -> None:
 ROLL_PREFIX = "ddpcli/roll/"
 
 
-def roll_call(job: WorkerJob):
+def roll_call(job: WorkerJob) -> Store:
     """Before any worker starts, every node reports to node 0 on the master's store, so a
     node that never comes is named after --timeout instead of everyone waiting forever.
-    Node 0 hosts the store (multi-tenant: the elastic agent's rendezvous reuses it)."""
-    import datetime
-
-    from torch.distributed import TCPStore
-
-    timeout = datetime.timedelta(seconds=job.timeout_s)
+    Node 0 hosts the store (multi-tenant: the elastic agent's rendezvous reuses it), and
+    when it gives up it posts why, so the nodes that came say the same (ddpcli.rollcall)."""
     address = f"{job.master_addr}:{job.master_port}"
-    if job.node_rank != 0:
-        wait_for_port(job)
     try:
-        store = TCPStore(
-            job.master_addr, job.master_port, is_master=job.node_rank == 0,
-            wait_for_workers=False, timeout=timeout, multi_tenant=True,
-        )  # fmt: skip
+        store = open_store(
+            job.master_addr, job.master_port, job.node_rank, job.timeout_s, multi_tenant=True
+        )
+    except MasterUnreachable:
+        raise runtime_error(
+            f"node {job.node_rank}: could not reach the master at {address} within "
+            f"{job.timeout_s:g}s; start node 0 first, check the address and that the port is "
+            "open (ddpcli check-env --master-addr HOST --master-port PORT)"
+        ) from None
     except (RuntimeError, OSError) as error:
         if job.node_rank == 0:
             raise usage_error(
@@ -180,43 +181,24 @@ def roll_call(job: WorkerJob):
             f"{job.timeout_s:g}s; start node 0 first, check the address and that the port is "
             "open (ddpcli check-env --master-addr ... --master-port ...)"
         ) from None
-    store.set(f"{ROLL_PREFIX}{job.node_rank}", socket.gethostname())
+    roll = RollCall(store, ROLL_PREFIX, job.nnodes, job.node_rank)
     try:
-        wait_for_roll(store, job, address)
+        roll.answer(socket.gethostname())
+        # The others joined after node 0 started waiting: its verdict comes before their deadline.
+        present = roll.wait(job.timeout_s + (0 if job.node_rank == 0 else 30))
+        if len(present) < job.nnodes:
+            verdict = missing_nodes(job, present, address)
+            if job.node_rank == 0:
+                roll.post_verdict(verdict, present)
+            raise runtime_error(verdict)
+    except NodeZeroGaveUp as verdict:
+        raise runtime_error(f"node {job.node_rank}: node 0 gave up: {verdict}") from None
     except RuntimeError as error:  # DistNetworkError: node 0 went away without a word
         raise runtime_error(
             f"node {job.node_rank}: lost the master at {address} before all nodes joined "
             f"({first_line(error)}); node 0 most likely stopped: see its output"
         ) from None
     return store
-
-
-ROLL_VERDICT = ROLL_PREFIX + "verdict"
-VERDICT_ACK_S = 3.0  # how long node 0 waits for the others to read its verdict
-
-
-def wait_for_roll(store, job: WorkerJob, address: str) -> None:
-    """Every node waits until all have reported. Node 0 gives up after --timeout and posts
-    why before it closes the store, so the nodes that came say the same, instead of
-    failing on a lost connection (which torch reports with a C++ stack trace)."""
-    import time
-
-    # The others joined after node 0 started waiting: its verdict comes before their deadline.
-    deadline = time.monotonic() + job.timeout_s + (0 if job.node_rank == 0 else 30)
-    while True:
-        if job.node_rank != 0 and store.check([ROLL_VERDICT]):
-            store.set(f"{ROLL_PREFIX}ack/{job.node_rank}", "read")
-            verdict = store.get(ROLL_VERDICT).decode()
-            raise runtime_error(f"node {job.node_rank}: node 0 gave up: {verdict}")
-        present = [r for r in range(job.nnodes) if store.check([f"{ROLL_PREFIX}{r}"])]
-        if len(present) == job.nnodes:
-            return
-        if time.monotonic() > deadline:
-            verdict = missing_nodes(job, present, address)
-            if job.node_rank == 0:
-                post_verdict(store, verdict, present)
-            raise runtime_error(verdict)
-        time.sleep(0.2)
 
 
 def missing_nodes(job: WorkerJob, present: list[int], address: str) -> str:
@@ -228,37 +210,6 @@ def missing_nodes(job: WorkerJob, present: list[int], address: str) -> str:
         f"{', '.join(map(str, missing))}. Start the same command there with "
         "--node-rank set, or raise --timeout"
     )
-
-
-def post_verdict(store, verdict: str, present: list[int]) -> None:
-    import time
-
-    store.set(ROLL_VERDICT, verdict)
-    waiting = [f"{ROLL_PREFIX}ack/{r}" for r in present if r != 0]
-    deadline = time.monotonic() + VERDICT_ACK_S
-    while waiting and time.monotonic() < deadline:
-        time.sleep(0.1)
-        waiting = [key for key in waiting if not store.check([key])]
-
-
-def wait_for_port(job: WorkerJob) -> None:
-    """Poll the master's port from Python: TCPStore's own retries print C++ stack traces."""
-    import time
-
-    deadline = time.monotonic() + job.timeout_s
-    while True:
-        try:
-            socket.create_connection((job.master_addr, job.master_port), timeout=2).close()
-            return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise runtime_error(
-                    f"node {job.node_rank}: could not reach the master at {job.master_addr}:"
-                    f"{job.master_port} within {job.timeout_s:g}s; start node 0 first, check "
-                    "the address and that the port is open (ddpcli check-env --master-addr "
-                    "HOST --master-port PORT)"
-                ) from None
-            time.sleep(0.5)
 
 
 def _launch_elastic(cfg: TrainConfig, debug: bool) -> dict[str, Any]:

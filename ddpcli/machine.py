@@ -67,3 +67,17 @@ def check_interface(name: str) -> None:
             f"invalid --ifname: interface {name!r} does not exist; this machine has: "
             f"{', '.join(names)}"
         )
+
+
+TOOL_TIMEOUT_S = 5.0  # nvidia-smi, ip, ss: a stuck tool must not make a check hang
+
+
+def run_tool(argv: list[str], timeout_s: float = TOOL_TIMEOUT_S) -> str | None:
+    """A system tool's output, or None when it is missing, fails or takes too long."""
+    if not shutil.which(argv[0]):
+        return None
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s)
+    except (subprocess.SubprocessError, OSError):
+        return None
+    return done.stdout if done.returncode == 0 else None

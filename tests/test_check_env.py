@@ -104,7 +104,7 @@ def test_bad_flags_exit_2(flags):
 )
 def test_cuda_visible_devices_mapping(visible, inside, lost):
     """The renumbering every GPU row reports; pure logic, so it is checked without a GPU."""
-    from ddpcli.envcheck import Gpu, map_visible_devices
+    from ddpcli.checkenv.facts import Gpu, map_visible_devices
 
     gpus = [Gpu(index, "GPU", 81559, f"GPU-{letter * 3}") for index, letter in enumerate("abcd")]
     assert map_visible_devices(gpus, visible) == lost

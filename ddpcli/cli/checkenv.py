@@ -1,6 +1,7 @@
 """`ddpcli check-env`: run it on every node before a multi-GPU or multi-node job.
 
-Flags -> CheckEnvOptions -> envcheck.run_checks -> a table on stderr (or JSON on stdout).
+Flags -> CheckEnvOptions -> checkenv.checks.run_checks, then with --probe
+checkenv.probe.run_probe on the checks' facts -> a table on stderr (or JSON on stdout).
 Exit 0 when every check passes, 1 when one fails (so it can gate a job script), 2 for bad
 input such as an interface that does not exist.
 """
@@ -8,7 +9,8 @@ input such as an interface that does not exist.
 from __future__ import annotations
 
 import os
-from typing import Annotated
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -16,6 +18,12 @@ from ddpcli import ui
 from ddpcli.cli import _state, app, run_command
 from ddpcli.cli.options import choice_metavar, option
 from ddpcli.config import Backend
+
+if TYPE_CHECKING:
+    from rich.table import Table
+
+    from ddpcli.checkenv.report import Report, Row
+    from ddpcli.config import CheckEnvOptions
 
 NODES = "Multi-node"
 PROBE = "Probe"
@@ -88,10 +96,10 @@ def check_env(
         if not debug_requested(_state["debug"]):
             # torch's C++ side logs every store retry with a stack; the rows say it better.
             os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
-        from ddpcli import envcheck
+        from ddpcli.config import build_check_options
 
-        options = envcheck.build_check_options(flags)
-        report = envcheck.run_checks(options, progress=quiet if json_output else ui.info)
+        options = build_check_options(flags)
+        report = check_node(options, progress=quiet if json_output else ui.info)
         show_report(report, json_output)
         outcome["failed"] = report.failed
 
@@ -100,11 +108,24 @@ def check_env(
         raise typer.Exit(1)
 
 
+def check_node(options: CheckEnvOptions, progress: Callable[[str], None]) -> Report:
+    """Every check, then (--probe) the probe with the facts the checks read."""
+    from ddpcli.checkenv.checks import run_checks
+
+    report = run_checks(options)
+    if not options.probe:
+        return report
+    from ddpcli.checkenv.probe import run_probe
+
+    rows, document = run_probe(options, report.facts, report.master, progress)
+    return report.with_probe(rows, document)
+
+
 def quiet(message: str) -> None:
     """Progress is off with --json: stdout holds the document only."""
 
 
-def show_report(report, json_output: bool) -> None:
+def show_report(report: Report, json_output: bool) -> None:
     if json_output:
         ui.print_json(report.to_json())
         return
@@ -117,7 +138,7 @@ def show_report(report, json_output: bool) -> None:
         ui.console.print(f"[green]check-env: {summary}[/]")
 
 
-def report_table(rows):
+def report_table(rows: list[Row]) -> Table:
     from rich.markup import escape
     from rich.table import Table
 

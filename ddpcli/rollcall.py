@@ -1,0 +1,124 @@
+"""The roll call: before any worker starts, every node reports to node 0 on a TCPStore at
+the master's address, so a node that never comes is named after a timeout instead of
+everyone waiting forever. `ddpcli train`/`launch` (launch.py) and check-env's probe both
+gather their nodes this way; each words its own messages from what this module returns.
+
+Every wait here polls: a Ctrl-C must not sit behind a blocking C++ store call, and the
+store client's own connection retries print C++ stack traces and overrun their timeout.
+"""
+
+from __future__ import annotations
+
+import datetime
+import errno
+import socket
+import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch.distributed import Store
+
+CONNECT_TIMEOUT_S = 3.0
+PORT_POLL_S = 0.5
+ROLL_POLL_S = 0.2
+VERDICT_ACK_S = 3.0  # how long node 0 waits for the others to read its verdict
+
+
+class MasterUnreachable(Exception):
+    """Nothing listened on the master's port within the timeout."""
+
+
+class NodeZeroGaveUp(Exception):
+    """Node 0 posted a verdict (why it stopped waiting) before every node had answered."""
+
+
+def try_connect(host: str, port: int, timeout_s: float = CONNECT_TIMEOUT_S) -> str:
+    """'open', 'refused', 'timeout' or the OS's reason, within `timeout_s`."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return "open"
+    except ConnectionRefusedError:
+        return "refused"
+    except TimeoutError:
+        return "timeout"
+    except OSError as error:
+        return errno.errorcode.get(error.errno or 0, "") or str(error)
+
+
+def wait_until_listening(host: str, port: int, timeout_s: float) -> None:
+    """Return once something listens on host:port; MasterUnreachable after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while (result := try_connect(host, port)) != "open":
+        if time.monotonic() > deadline:
+            raise MasterUnreachable(f"nothing listens there ({result})")
+        time.sleep(PORT_POLL_S)
+
+
+def open_store(
+    host: str, port: int, node_rank: int, timeout_s: float, *, multi_tenant: bool = False
+) -> Store:
+    """Node 0 listens on host:port (port 0: a free one, see `store.port`); the others wait
+    until it does, then connect. Raises MasterUnreachable, or the store's own error."""
+    from torch.distributed import TCPStore
+
+    if node_rank == 0:
+        return TCPStore(
+            host, port, is_master=True, wait_for_workers=False, multi_tenant=multi_tenant,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )  # fmt: skip
+    started = time.monotonic()
+    wait_until_listening(host, port, timeout_s)
+    left = max(5.0, timeout_s - (time.monotonic() - started))
+    return TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=left))
+
+
+class RollCall:
+    """Node ranks 0..nnodes-1 each answer once under `prefix`; everyone waits for all."""
+
+    def __init__(self, store: Store, prefix: str, nnodes: int, node_rank: int):
+        self.store = store
+        self.prefix = prefix
+        self.nnodes = nnodes
+        self.node_rank = node_rank
+
+    def key(self, node_rank: int) -> str:
+        return f"{self.prefix}{node_rank}"
+
+    @property
+    def verdict_key(self) -> str:
+        return f"{self.prefix}verdict"
+
+    def answer(self, value: str) -> str:
+        """Report this node. Returns what its key now holds: `value`, or the answer of an
+        earlier node that gave the same node rank."""
+        return self.store.compare_set(self.key(self.node_rank), "", value).decode()
+
+    def answered(self) -> list[int]:
+        return [rank for rank in range(self.nnodes) if self.store.check([self.key(rank)])]
+
+    def answers(self) -> dict[int, str]:
+        return {rank: self.store.get(self.key(rank)).decode() for rank in self.answered()}
+
+    def wait(self, timeout_s: float) -> list[int]:
+        """Poll until every node has answered or `timeout_s` passed; return the node ranks
+        that answered. On the other nodes a verdict from node 0 raises NodeZeroGaveUp."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.node_rank != 0 and self.store.check([self.verdict_key]):
+                self.store.set(f"{self.prefix}ack/{self.node_rank}", "read")
+                raise NodeZeroGaveUp(self.store.get(self.verdict_key).decode())
+            present = self.answered()
+            if len(present) == self.nnodes or time.monotonic() > deadline:
+                return present
+            time.sleep(ROLL_POLL_S)
+
+    def post_verdict(self, verdict: str, present: list[int]) -> None:
+        """Node 0 says why it gives up before it closes the store, so the nodes that came
+        can say the same instead of failing on a lost connection; it waits a moment for
+        them to read it."""
+        self.store.set(self.verdict_key, verdict)
+        waiting = [f"{self.prefix}ack/{rank}" for rank in present if rank != 0]
+        deadline = time.monotonic() + VERDICT_ACK_S
+        while waiting and time.monotonic() < deadline:
+            time.sleep(0.1)
+            waiting = [key for key in waiting if not self.store.check([key])]
