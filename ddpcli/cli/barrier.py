@@ -13,7 +13,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ddpcli import ui
-from ddpcli.cli import _state, app, run_command
+from ddpcli.cli.app import _state, app, run_command
 from ddpcli.cli.options import setting
 from ddpcli.config import BarrierConfig
 from ddpcli.config.barrier import DEFAULT_STAGGER_S, DEFAULT_WORK_S, SIZE_UNITS

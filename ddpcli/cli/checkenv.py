@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from ddpcli import ui
-from ddpcli.cli import _state, app, run_command
+from ddpcli.cli.app import _state, app, run_command
 from ddpcli.cli.options import choice_metavar, option
 from ddpcli.config import Backend
 

@@ -12,7 +12,7 @@ from typing import Annotated, Any
 import typer
 
 from ddpcli import ui
-from ddpcli.cli import checkpoint_app, run_command
+from ddpcli.cli.app import checkpoint_app, run_command
 from ddpcli.cli.options import option
 from ddpcli.errors import runtime_error
 

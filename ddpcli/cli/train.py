@@ -8,7 +8,7 @@ from typing import Annotated, Any
 import typer
 
 from ddpcli import ui
-from ddpcli.cli import _state, app, run_command
+from ddpcli.cli.app import _state, app, run_command
 from ddpcli.cli.options import option, setting
 from ddpcli.config import TrainConfig
 
