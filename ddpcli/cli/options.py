@@ -18,6 +18,8 @@ from typer.core import HAS_RICH, TyperCommand, TyperGroup
 
 if TYPE_CHECKING:
     from pydantic import BaseModel
+    from typer._click.core import Context
+    from typer._click.formatting import HelpFormatter
 
 
 class App(typer.Typer):
@@ -33,24 +35,27 @@ class App(typer.Typer):
         return super().command(*args, **settings)
 
 
-class Command(TyperCommand):
+class ReadableHelp:
+    """Help pages with each docstring paragraph on one line and no metavar after flags."""
+
+    help: str | None
+
     def __init__(self, *args: Any, **settings: Any) -> None:
         super().__init__(*args, **settings)
         self.help = unwrapped(self.help)
 
-    def format_help(self, ctx, formatter) -> None:
-        show_flags_bare(self.get_params(ctx))
-        super().format_help(ctx, formatter)
+    # A mixin: get_params and format_help come from the click class it is mixed into.
+    def format_help(self, ctx: Context, formatter: HelpFormatter) -> None:
+        show_flags_bare(self.get_params(ctx))  # type: ignore[attr-defined]
+        super().format_help(ctx, formatter)  # type: ignore[misc]
 
 
-class Group(TyperGroup):
-    def __init__(self, *args: Any, **settings: Any) -> None:
-        super().__init__(*args, **settings)
-        self.help = unwrapped(self.help)
+class Command(ReadableHelp, TyperCommand):
+    pass
 
-    def format_help(self, ctx, formatter) -> None:
-        show_flags_bare(self.get_params(ctx))
-        super().format_help(ctx, formatter)
+
+class Group(ReadableHelp, TyperGroup):
+    pass
 
 
 def unwrapped(text: str | None) -> str | None:
