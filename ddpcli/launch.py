@@ -30,6 +30,7 @@ if TYPE_CHECKING:  # torch is imported where a launch needs it, not with this mo
     from torch.distributed.launcher.api import LaunchConfig
 
 WORKER_MODULE = "ddpcli.worker"
+DEFAULT_MASTER_PORT = 29500  # torchrun's, as in ddpcli.resolve
 
 
 def launch_train(cfg: TrainConfig, debug: bool = False) -> dict[str, Any]:
@@ -79,6 +80,12 @@ class WorkerJob:
     env: dict[str, str] = field(default_factory=dict)
     log_dir: str | None = None
 
+    @property
+    def agent_port(self) -> int:
+        """Where node 0's agent listens when the job's agents meet on the master's address:
+        --master-port, else torchrun's default."""
+        return self.master_port or DEFAULT_MASTER_PORT
+
 
 def launch_config(job: WorkerJob) -> LaunchConfig:
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
@@ -89,7 +96,7 @@ def launch_config(job: WorkerJob) -> LaunchConfig:
         # Port 0: the rendezvous store binds a free port, so runs on one machine never collide.
         backend, endpoint, rdzv_configs = "c10d", "127.0.0.1:0", {"timeout": timeout}
     else:
-        backend, endpoint = "static", f"{job.master_addr}:{job.master_port or 29500}"
+        backend, endpoint = "static", f"{job.master_addr}:{job.agent_port}"
         rdzv_configs = {"rank": job.node_rank, "timeout": timeout}
     prefix = None
     if job.log_dir:
@@ -159,10 +166,10 @@ def roll_call(job: WorkerJob) -> Store:
     node that never comes is named after --timeout instead of everyone waiting forever.
     Node 0 hosts the store (multi-tenant: the elastic agent's rendezvous reuses it), and
     when it gives up it posts why, so the nodes that came say the same (ddpcli.rollcall)."""
-    address = f"{job.master_addr}:{job.master_port}"
+    address = f"{job.master_addr}:{job.agent_port}"
     try:
         store = open_store(
-            job.master_addr, job.master_port, job.node_rank, job.timeout_s, multi_tenant=True
+            job.master_addr, job.agent_port, job.node_rank, job.timeout_s, multi_tenant=True
         )
     except MasterUnreachable:
         raise runtime_error(

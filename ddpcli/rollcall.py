@@ -16,7 +16,7 @@ import time
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from torch.distributed import Store
+    from torch.distributed import Store, TCPStore
 
 CONNECT_TIMEOUT_S = 3.0
 PORT_POLL_S = 0.5
@@ -56,7 +56,7 @@ def wait_until_listening(host: str, port: int, timeout_s: float) -> None:
 
 def open_store(
     host: str, port: int, node_rank: int, timeout_s: float, *, multi_tenant: bool = False
-) -> Store:
+) -> TCPStore:
     """Node 0 listens on host:port (port 0: a free one, see `store.port`); the others wait
     until it does, then connect. Raises MasterUnreachable, or the store's own error."""
     from torch.distributed import TCPStore

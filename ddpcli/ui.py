@@ -8,7 +8,14 @@ from typing import Any
 
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+    TimeElapsedColumn,
+)
 
 console = Console(stderr=True, highlight=False)
 
@@ -54,7 +61,7 @@ class TrainProgress:
         self.steps = steps_per_epoch
         self.live = enabled and console.is_terminal
         self.bar: Progress | None = None
-        self.task = None
+        self.task: TaskID | None = None  # the epoch on the bar, from start_epoch
         self.epoch = 0
 
     def __enter__(self) -> TrainProgress:
@@ -91,7 +98,8 @@ class TrainProgress:
         if not self.enabled:
             return
         if self.bar:
-            self.bar.update(self.task, completed=step, loss=loss, acc=acc, rate=rate_text(rate))
+            if self.task is not None:  # start_epoch puts the epoch on the bar
+                self.bar.update(self.task, completed=step, loss=loss, acc=acc, rate=rate_text(rate))
         else:
             info(
                 f"epoch {self.epoch}/{self.epochs} step {step}/{self.steps} · loss {loss:.4f} · "

@@ -70,7 +70,7 @@ def plan(**changes) -> ProbePlan:
 
 def test_plan_on_the_cpu_runs_two_gloo_processes_on_a_free_port():
     found = plan_probe(options(), node(), LOCAL_MASTER)
-    assert (found.backend, found.nproc, found.master_port) == ("gloo", 2, None)
+    assert (found.backend, found.nproc, found.master_port) == ("gloo", 2, 0)
     assert found.master_addr == "127.0.0.1" and found.hosts_store and not found.use_gpus
 
 

@@ -71,11 +71,11 @@ def run_rank(cfg: BarrierConfig, env: LauncherEnv, workdir: Path | None) -> dict
 def run_phases(bench: BenchRank, cfg: BarrierConfig) -> dict | None:
     demos = {"staggered": staggered_demo, "zero-first": zero_first_demo}
     rows = gather_to_rank0(bench, demos[cfg.demo](bench, cfg)) if cfg.demo in demos else []
-    latency = measure_latency(bench, cfg)
+    latency = measure_latency(bench, cfg)  # None on every rank but 0, which gathers them
     collectives = [
         measure_collective(bench, cfg, name, size) for name in cfg.collective for size in cfg.sizes
     ]
-    if not bench.ctx.is_main:
+    if not bench.ctx.is_main or latency is None:
         return None
     report = describe_setup(bench.ctx, cfg)
     report["ranks"] = rows

@@ -178,11 +178,11 @@ def map_visible_devices(gpus: list[Gpu], visible_devices: str | None) -> list[st
     if any(entry.startswith("MIG-") for entry in entries):
         return []  # MIG slices are not whole GPUs: there is no per-GPU numbering to show
     for position, entry in enumerate(entries):
-        gpu = next((gpu for gpu in gpus if visible_entry_names(entry, gpu)), None)
-        if gpu is None or gpu.cuda_index is not None:
+        named = next((gpu for gpu in gpus if visible_entry_names(entry, gpu)), None)
+        if named is None or named.cuda_index is not None:
             # CUDA stops at the first entry it cannot use: this one and all after it are lost.
             return entries[position:]
-        gpu.cuda_index = position
+        named.cuda_index = position
     return []
 
 
@@ -237,6 +237,7 @@ def locate_master(options: CheckEnvOptions, facts: NodeFacts) -> Master:
     ip = resolve_ip(options.master_addr)
     holder = facts.holder_of(ip) if ip else None
     this_node = holder is not None or (ip is not None and is_loopback(ip))
+    interface: str | None
     if holder is not None:
         # The route to one's own address always says "lo"; the master listens on the holder.
         interface = holder.name

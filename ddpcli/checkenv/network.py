@@ -146,7 +146,7 @@ def resolve_ip(host: str) -> str | None:
         try:
             infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
             infos.sort(key=lambda info: info[0] != socket.AF_INET)
-            answer.append(infos[0][4][0])
+            answer.append(str(infos[0][4][0]))  # the host of (host, port, ...)
         except (OSError, IndexError):
             pass
 
@@ -161,7 +161,10 @@ def address_for(ifname: str | None, master_ip: str | None) -> str | None:
     """The address this node talks from: the interface's, or the route's source."""
     if ifname:
         iface = next((i for i in list_interfaces() if i.name == ifname), None)
-        return (iface.ipv4 or iface.ips or [None])[0] if iface else None
+        if iface is None:
+            return None
+        addresses = iface.ipv4 or iface.ips
+        return addresses[0] if addresses else None
     route = route_to(master_ip) if master_ip else None
     return route.source if route else None
 

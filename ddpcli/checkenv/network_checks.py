@@ -141,6 +141,8 @@ def master_placement_rows(options: CheckEnvOptions, master: Master, shown: str) 
 
 
 def ifname_rows(facts: NodeFacts, options: CheckEnvOptions, master: Master) -> list[Row]:
+    if options.ifname is None:  # nothing to check without --ifname
+        return []
     iface = facts.interface(options.ifname)
     name = f"--ifname {options.ifname}"
     if iface is None:  # the kernel knows it, `ip` did not list it
@@ -188,7 +190,7 @@ def port_rows(options: CheckEnvOptions, master: Master) -> list[Row]:
         return [local_port_row(name, master.port)]
     if options.probe or master.ip is None:
         return []  # the probe waits for the master itself; an unresolved name is already failed
-    return [remote_port_row(name, master)]
+    return [remote_port_row(name, master, master.ip)]
 
 
 def local_port_row(name: str, port: int) -> Row:
@@ -204,8 +206,9 @@ def local_port_row(name: str, port: int) -> Row:
     )
 
 
-def remote_port_row(name: str, master: Master) -> Row:
-    result = try_connect(master.ip, master.port)
+def remote_port_row(name: str, master: Master, ip: str) -> Row:
+    """IP: the master's address, which port_rows has checked resolves."""
+    result = try_connect(ip, master.port)
     target = f"{master.addr}:{master.port}"
     if result == "open":
         return ok(name, f"{target} is reachable and something listens (the master is up)")

@@ -38,7 +38,7 @@ from ddpcli.errors import first_line
 from ddpcli.rollcall import RollCall, open_store
 
 if TYPE_CHECKING:
-    from torch.distributed import Store
+    from torch.distributed import Store, TCPStore
 
 NODE_PREFIX = "probe/node/"  # each node's record, under its node rank
 OUTCOME_PREFIX = "probe/outcome/"  # each node's rank outcomes, under its node rank
@@ -105,10 +105,12 @@ def probe_with_store(
 # --- The store and the nodes -----------------------------------------------------------------
 
 
-def probe_store(plan: ProbePlan, progress: Callable[[str], None]) -> tuple[Store | None, int, Row]:
+def probe_store(
+    plan: ProbePlan, progress: Callable[[str], None]
+) -> tuple[TCPStore | None, int, Row]:
     """Node 0 listens on the master port; the others connect to it (the 'port open' row)."""
     if plan.hosts_store:
-        port = plan.master_port or 0
+        port = plan.master_port
         try:
             store = open_store(plan.master_addr, port, 0, plan.join_timeout)
         except Exception as error:

@@ -33,7 +33,7 @@ class ProbePlan:
     nnodes: int
     node_rank: int
     master_addr: str
-    master_port: int | None  # None: a one-node probe lets the store pick a free port
+    master_port: int  # 0: a one-node probe given no port lets the store pick a free one
     ifname: str | None
     join_timeout: float
     stage_timeout: float
@@ -73,7 +73,7 @@ def plan_probe(options: CheckEnvOptions, facts: NodeFacts, master: Master) -> Pr
     else:
         # One node: the store lives here; use the master address only if it is ours.
         address = master.ip if master.this_node and master.ip else "127.0.0.1"
-        port = options.master_port if options.port_given else None
+        port = options.master_port if options.port_given else 0
     return ProbePlan(
         backend=backend,
         nproc=nproc,

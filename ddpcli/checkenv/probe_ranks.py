@@ -183,7 +183,7 @@ def open_stage(path: Path) -> tuple[str | None, float]:
             begun.pop(record["stage"], None)
     if not begun:
         return None, 0.0
-    stage = max(begun, key=begun.get)
+    stage = max(begun, key=begun.__getitem__)
     return stage, begun[stage]
 
 

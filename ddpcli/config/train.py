@@ -156,6 +156,13 @@ class TrainConfig(BaseModel):
     def resolved_image_size(self) -> int:
         return _resolved(self.image_size, "image_size")
 
+    @property
+    def resolved_data_dir(self) -> Path:
+        """--data-dir, which every data set but the synthetic one requires (`_consistent`)."""
+        if self.data_dir is None:
+            raise RuntimeError(f"TrainConfig.data_dir read, but --dataset {self.dataset} has none")
+        return self.data_dir
+
 
 Value = TypeVar("Value")
 

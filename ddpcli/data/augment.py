@@ -50,9 +50,10 @@ def augmentation_draws(seed: int, epoch: int, indices: torch.Tensor):
 
 def crop_and_flip_one(image: torch.Tensor, index: int, seed: int, epoch: int) -> torch.Tensor:
     """The per-image twin of DeviceResidentBatches._crop_and_flip: same draws, same pixels."""
-    top, left, flip = (int(v) for v in augmentation_draws(seed, epoch, torch.tensor([index])))
+    top, left, flip = augmentation_draws(seed, epoch, torch.tensor([index]))
     pad, height, width = CROP_PADDING, image.shape[1], image.shape[2]
-    return crop_padded(F.pad(image, (pad, pad, pad, pad)), top, left, flip, height, width)
+    padded = F.pad(image, (pad, pad, pad, pad))
+    return crop_padded(padded, int(top), int(left), bool(flip), height, width)
 
 
 def crop_padded(

@@ -24,6 +24,10 @@ class KeyedImages(torch.utils.data.Dataset, abc.ABC):
         self.seed, self.augment = seed, augment
 
     @abc.abstractmethod
+    def __len__(self) -> int:
+        """How many images the split holds."""
+
+    @abc.abstractmethod
     def load(self, index: int) -> tuple[torch.Tensor, int]:
         """uint8 (3, H, W) at the training size, and the label."""
 

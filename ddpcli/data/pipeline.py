@@ -14,8 +14,14 @@ from torch.utils.data import DistributedSampler
 
 from ddpcli.config import TrainConfig
 from ddpcli.data.device import DeviceResidentBatches
-from ddpcli.data.loader import FolderDataset, LoaderBatches, MemoryDataset, default_workers
-from ddpcli.data.sets import ImageSet, Splits
+from ddpcli.data.loader import (
+    FolderDataset,
+    KeyedImages,
+    LoaderBatches,
+    MemoryDataset,
+    default_workers,
+)
+from ddpcli.data.sets import FolderSplits, ImageSet, MemorySplits, Splits
 from ddpcli.dist import DistContext
 
 # Image folders are normalised with ImageNet's statistics on both paths (as torchvision's
@@ -26,8 +32,13 @@ IMAGENET_MEAN, IMAGENET_STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
 def train_shard(size: int, ctx: DistContext, seed: int, epoch: int) -> list[int]:
     """This rank's training indices for the epoch: exactly what DistributedSampler yields.
     It pads so every rank gets the same count (and the same number of steps)."""
-    sampler = DistributedSampler(
-        range(size), num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True, seed=seed
+    # DistributedSampler only takes len() of its dataset; the stubs ask for a Dataset.
+    sampler: DistributedSampler[int] = DistributedSampler(
+        range(size),  # type: ignore[arg-type]
+        num_replicas=ctx.world_size,
+        rank=ctx.rank,
+        shuffle=True,
+        seed=seed,
     )
     sampler.set_epoch(epoch)  # without it every epoch repeats the same order
     return list(sampler)
@@ -74,42 +85,46 @@ class DataPipeline:
         self.cfg = cfg
         self.ctx = ctx
         self.channels_last = ctx.device.type == "cuda"
-        in_memory = splits.train is not None
-        self.device_resident = device_resident and in_memory
-        if cfg.dataset == "imagefolder":
-            self.mean, self.std = IMAGENET_MEAN, IMAGENET_STD
-        else:
+        # Only a set held in memory can be moved onto the device; a streamed folder cannot.
+        self.device_resident = device_resident and isinstance(splits, MemorySplits)
+        if isinstance(splits, MemorySplits) and cfg.dataset != "imagefolder":
             self.mean, self.std = channel_stats(splits.train.images)
+        else:  # image folders, streamed or decoded once
+            self.mean, self.std = IMAGENET_MEAN, IMAGENET_STD
         self.workers = (
             cfg.workers if cfg.workers is not None else default_workers(ctx.local_world_size)
         )
         trace = cfg.trace_samples
         self.trace_file = trace.with_name(f"{trace.name}.rank{ctx.rank}") if trace else None
-        if self.device_resident:
+        if isinstance(splits, FolderSplits):
+            self._stream_folders(splits)
+        elif self.device_resident:
             self._hold_on_device(splits)
         else:
-            self._start_loaders(splits, in_memory)
+            self._start_loaders(
+                MemoryDataset(splits.train, cfg.seed, augment=True),
+                MemoryDataset(splits.val, cfg.seed, augment=False),
+            )
 
-    def _hold_on_device(self, splits: Splits) -> None:
+    def _hold_on_device(self, splits: MemorySplits) -> None:
         # The uint8 set lives where it is augmented; batches never cross PCIe.
         device = self.ctx.device
         self.train_set = ImageSet(splits.train.images.to(device), splits.train.labels)
         self.val_set = ImageSet(splits.val.images.to(device), splits.val.labels)
         self.train_size, self.val_size = len(splits.train), len(splits.val)
 
-    def _start_loaders(self, splits: Splits, in_memory: bool) -> None:
-        seed = self.cfg.seed
-        if in_memory:
-            train = MemoryDataset(splits.train, seed, augment=True)
-            val = MemoryDataset(splits.val, seed, augment=False)
-        else:
-            size, classes = self.cfg.image_size, splits.class_names
-            train = FolderDataset(splits.train_dir, classes, size, seed, augment=True)
-            val = FolderDataset(splits.val_dir, classes, size, seed, augment=False)
+    def _stream_folders(self, splits: FolderSplits) -> None:
+        size, classes, seed = self.cfg.resolved_image_size, splits.class_names, self.cfg.seed
+        self._start_loaders(
+            FolderDataset(splits.train_dir, classes, size, seed, augment=True),
+            FolderDataset(splits.val_dir, classes, size, seed, augment=False),
+        )
+
+    def _start_loaders(self, train: KeyedImages, val: KeyedImages) -> None:
         self.train_size, self.val_size = len(train), len(val)
         self.train_loader, self.val_loader = self._loader(train), self._loader(val)
 
-    def _loader(self, dataset) -> LoaderBatches:
+    def _loader(self, dataset: KeyedImages) -> LoaderBatches:
         return LoaderBatches(
             dataset, self.cfg.per_gpu_batch, self.ctx.device, self.mean, self.std, self.workers,
             self.channels_last,

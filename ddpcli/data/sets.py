@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeAlias
 
 import numpy as np
 import torch
@@ -35,20 +36,34 @@ class ImageSet:
 
 
 @dataclass
-class Splits:
-    train: ImageSet | None
-    val: ImageSet | None
+class MemorySplits:
+    """Train and validation splits held in memory."""
+
+    train: ImageSet
+    val: ImageSet
     num_classes: int
     class_names: list[str]
-    # For the loader path: folders to stream instead of tensors in memory.
-    train_dir: Path | None = None
-    val_dir: Path | None = None
+
+
+@dataclass
+class FolderSplits:
+    """An image folder's train and validation folders, streamed by the loader's workers."""
+
+    train_dir: Path
+    val_dir: Path
+    num_classes: int
+    class_names: list[str]
+
+
+Splits: TypeAlias = MemorySplits | FolderSplits
 
 
 # --- Synthetic --------------------------------------------------------------------------
 
 
-def synthetic_splits(train_size: int, image_size: int, seed: int, num_classes: int = 10) -> Splits:
+def synthetic_splits(
+    train_size: int, image_size: int, seed: int, num_classes: int = 10
+) -> MemorySplits:
     """A learnable classification set, deterministic from the seed: each class is a smooth
     colour pattern; samples are contrast-jittered, noisy copies of it."""
     generator = torch.Generator().manual_seed(seed)
@@ -66,7 +81,7 @@ def synthetic_splits(train_size: int, image_size: int, seed: int, num_classes: i
 
     train = make(train_size)
     val = make(max(num_classes, train_size // 4))
-    return Splits(train, val, num_classes, [f"class{i}" for i in range(num_classes)])
+    return MemorySplits(train, val, num_classes, [f"class{i}" for i in range(num_classes)])
 
 
 # --- STL-10 -----------------------------------------------------------------------------
@@ -113,7 +128,7 @@ def read_stl10_split(folder: Path, split: str) -> ImageSet:
     return ImageSet(torch.from_numpy(np.ascontiguousarray(images)), torch.from_numpy(labels))
 
 
-def stl10_splits(data_dir: Path, download: bool, ctx: DistContext) -> Splits:
+def stl10_splits(data_dir: Path, download: bool, ctx: DistContext) -> MemorySplits:
     if not stl10_present(data_dir):
         if not download:
             raise usage_error(
@@ -127,7 +142,8 @@ def stl10_splits(data_dir: Path, download: bool, ctx: DistContext) -> Splits:
     names_file = folder / "class_names.txt"
     names = names_file.read_text().split() if names_file.is_file() else []
     names = names if len(names) == 10 else [f"class{i}" for i in range(10)]
-    return Splits(read_stl10_split(folder, "train"), read_stl10_split(folder, "test"), 10, names)
+    train, val = read_stl10_split(folder, "train"), read_stl10_split(folder, "test")
+    return MemorySplits(train, val, 10, names)
 
 
 # --- Image folders (ImageNet layout) ----------------------------------------------------
@@ -190,7 +206,7 @@ def imagefolder_splits(
 ) -> Splits:
     classes = check_imagefolder(data_dir)
     if not decode_once:  # the loader's workers decode each image as it is needed
-        return Splits(None, None, len(classes), classes, data_dir / "train", data_dir / "val")
+        return FolderSplits(data_dir / "train", data_dir / "val", len(classes), classes)
     cache = folder_cache_path(data_dir, image_size, cache_dir)
     with zero_first(ctx):
         if ctx.is_main and not cache.exists():
@@ -204,7 +220,7 @@ def imagefolder_splits(
             )
     stored = torch.load(cache, weights_only=True)
     train, val = (ImageSet(stored[s]["images"], stored[s]["labels"]) for s in ("train", "val"))
-    return Splits(train, val, len(classes), classes)
+    return MemorySplits(train, val, len(classes), classes)
 
 
 def read_rgb(path: Path) -> torch.Tensor:
@@ -228,16 +244,17 @@ def resize_set(image_set: ImageSet, image_size: int) -> ImageSet:
 
 def load_splits(cfg: TrainConfig, ctx: DistContext, device_resident: bool) -> Splits:
     """The splits in memory; an image folder only listed unless it will be device-resident."""
+    image_size = cfg.resolved_image_size
     if cfg.dataset == "synthetic":
-        return synthetic_splits(cfg.synthetic_size, cfg.image_size, cfg.seed)
+        return synthetic_splits(cfg.synthetic_size, image_size, cfg.seed)
     if cfg.dataset == "stl10":
-        splits = stl10_splits(cfg.data_dir, cfg.download, ctx)
-        if cfg.image_size != STL10_SIDE:
-            splits.train = resize_set(splits.train, cfg.image_size)
-            splits.val = resize_set(splits.val, cfg.image_size)
+        splits = stl10_splits(cfg.resolved_data_dir, cfg.download, ctx)
+        if image_size != STL10_SIDE:
+            splits.train = resize_set(splits.train, image_size)
+            splits.val = resize_set(splits.val, image_size)
         return splits
-    cache_dir = cfg.out / "cache"
-    return imagefolder_splits(cfg.data_dir, cfg.image_size, device_resident, cache_dir, ctx)
+    cache_dir = cfg.resolved_out / "cache"
+    return imagefolder_splits(cfg.resolved_data_dir, image_size, device_resident, cache_dir, ctx)
 
 
 def check_data_source(cfg: TrainConfig) -> None:
