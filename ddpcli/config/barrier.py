@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from ddpcli.config.common import (
     Backend,
     GpuList,
+    from_comma_text,
     given,
     parse_float_list,
     validated,
@@ -38,6 +39,11 @@ def parse_size_list(text: str, name: str) -> list[int]:
     return sizes
 
 
+def parse_name_list(text: str, name: str) -> list[str]:
+    """Collective names as flags spell them: all_reduce,all-gather,broadcast."""
+    return [part for part in text.replace(" ", "").replace("-", "_").split(",") if part]
+
+
 class BarrierConfig(BaseModel):
     """Everything `ddpcli bench-barrier` needs. Field names are the flags with `_` for `-`.
 
@@ -51,12 +57,16 @@ class BarrierConfig(BaseModel):
     gpus: GpuList = None
     backend: Backend = "auto"
     demo: BarrierDemo = "staggered"
-    sleeps: list[float] | None = None
+    sleeps: Annotated[list[float] | None, from_comma_text(parse_float_list, "sleeps")] = None
     stagger: float | None = Field(None, ge=0, le=3600)
     iters: int = Field(200, ge=1, le=10_000_000)
     warmup: int = Field(10, ge=0, le=1_000_000)
-    collective: list[CollectiveName] = Field(default_factory=list)
-    sizes: list[int] = Field(default_factory=lambda: parse_size_list("4,1K,1M,64M", "sizes"))
+    collective: Annotated[list[CollectiveName], from_comma_text(parse_name_list, "collective")] = (
+        Field(default_factory=list)
+    )
+    sizes: Annotated[list[int], from_comma_text(parse_size_list, "sizes")] = Field(
+        default_factory=lambda: parse_size_list("4,1K,1M,64M", "sizes")
+    )
     skip_rank: int | None = Field(None, ge=0)
     timeout: float = Field(30.0, gt=0, le=86400, description="seconds a rank waits at a barrier")
 
@@ -73,11 +83,6 @@ class BarrierConfig(BaseModel):
         if value == "nccl" and not info.data.get("gpus"):
             raise ValueError("nccl runs on GPUs: list them with --gpus 0,1")
         return value
-
-    @field_validator("sleeps", mode="before")
-    @classmethod
-    def _parse_sleeps(cls, value: Any) -> Any:
-        return parse_float_list(value, "sleeps") if isinstance(value, str) else value
 
     @field_validator("sleeps")
     @classmethod
@@ -102,18 +107,6 @@ class BarrierConfig(BaseModel):
         if value is not None and info.data.get("sleeps") is not None:
             raise ValueError("--stagger and --sleeps exclude each other; pick one")
         return value
-
-    @field_validator("collective", mode="before")
-    @classmethod
-    def _parse_collectives(cls, value: Any) -> Any:
-        if isinstance(value, str):
-            return [part for part in value.replace(" ", "").replace("-", "_").split(",") if part]
-        return value
-
-    @field_validator("sizes", mode="before")
-    @classmethod
-    def _parse_sizes(cls, value: Any) -> Any:
-        return parse_size_list(value, "sizes") if isinstance(value, str) else value
 
     @field_validator("sizes")
     @classmethod

@@ -3,6 +3,7 @@ node-rank rules, and pydantic errors rewritten as `invalid --flag: ... (got X)`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ValidationError
@@ -28,8 +29,9 @@ def parse_float_list(text: str, name: str) -> list[float]:
         raise ValueError(f"{name} takes a comma-separated list of numbers, e.g. 3,5") from None
 
 
-def _gpu_list_from_text(value: Any) -> Any:
-    return parse_int_list(value, "gpus") if isinstance(value, str) else value
+def from_comma_text(parse: Callable[[str, str], list[Any]], name: str) -> BeforeValidator:
+    """A list field that also takes a flag's text form (`0,3`); a recipe gives a list."""
+    return BeforeValidator(lambda value: parse(value, name) if isinstance(value, str) else value)
 
 
 def _valid_gpu_list(value: list[int] | None) -> list[int] | None:
@@ -46,7 +48,7 @@ def _valid_gpu_list(value: list[int] | None) -> list[int] | None:
 
 # `--gpus 0,3`: physical indices as nvidia-smi numbers them, each once.
 GpuList = Annotated[
-    list[int] | None, BeforeValidator(_gpu_list_from_text), AfterValidator(_valid_gpu_list)
+    list[int] | None, from_comma_text(parse_int_list, "gpus"), AfterValidator(_valid_gpu_list)
 ]
 
 
