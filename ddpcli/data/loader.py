@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import abc
 import os
-from pathlib import Path
 
 import torch
 
 from ddpcli.data.augment import crop_and_flip_one
-from ddpcli.data.sets import ImageSet, folder_samples, read_rgb
+from ddpcli.data.sets import ImageSet, Sample, read_rgb
 
 
 class KeyedImages(torch.utils.data.Dataset, abc.ABC):
@@ -50,13 +49,13 @@ class MemoryDataset(KeyedImages):
 
 
 class FolderDataset(KeyedImages):
-    """ImageNet-layout images, decoded and resized per item in DataLoader workers."""
+    """ImageNet-layout images, decoded and resized per item in DataLoader workers. An image
+    that cannot be decoded ends the run with UnreadableImage, naming it (--skip-bad-images
+    leaves such files out of `samples` before training: ddpcli.data.sets.drop_unreadable)."""
 
-    def __init__(
-        self, split_dir: Path, classes: list[str], image_size: int, seed: int, augment: bool
-    ):
+    def __init__(self, samples: list[Sample], image_size: int, seed: int, augment: bool):
         super().__init__(seed, augment)
-        self.samples = folder_samples(split_dir, classes)
+        self.samples = samples
         self.image_size = image_size
 
     def __len__(self) -> int:

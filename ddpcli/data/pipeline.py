@@ -103,9 +103,9 @@ class DataPipeline:
             train = MemoryDataset(splits.train, seed, augment=True)
             val = MemoryDataset(splits.val, seed, augment=False)
         else:
-            size, classes = self.cfg.image_size, splits.class_names
-            train = FolderDataset(splits.train_dir, classes, size, seed, augment=True)
-            val = FolderDataset(splits.val_dir, classes, size, seed, augment=False)
+            size = self.cfg.image_size
+            train = FolderDataset(splits.train_samples, size, seed, augment=True)
+            val = FolderDataset(splits.val_samples, size, seed, augment=False)
         self.train_size, self.val_size = len(train), len(val)
         self.train_loader, self.val_loader = self._loader(train), self._loader(val)
 
