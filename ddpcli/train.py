@@ -184,9 +184,8 @@ class Trainer:
             f"accumulate {cfg.accumulate} = global batch {cfg.global_batch}"
         )
         ui.info(
-            f"{cfg.arch} on {cfg.dataset} at {cfg.image_size} px · {self.data.train_size} train / "
-            f"{self.data.val_size} val images · {self.steps_per_epoch} steps per epoch · "
-            f"precision {cfg.precision} · out {cfg.out}"
+            f"{cfg.arch} on {cfg.dataset} at {cfg.image_size} px · {self.data.describe_sizes()} · "
+            f"{self.steps_per_epoch} steps per epoch · precision {cfg.precision} · out {cfg.out}"
         )
         ui.info(
             f"strategy {cfg.strategy} · data path {self.data.path_name} · "

@@ -1,5 +1,6 @@
 """Data is never silently dropped: image-folder layout checks before start, unreadable images
-(one line naming the file, or --skip-bad-images), every PIL mode as RGB."""
+(one line naming the file, or --skip-bad-images), every PIL mode as RGB, and full training
+batches only, with the header saying how many images an epoch trains on."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from test_data import write_image_folder
 
 from ddpcli.config import TrainConfig
 from ddpcli.data import sets
+from ddpcli.data.device import DeviceResidentBatches
 from ddpcli.data.pipeline import DataPipeline
 from ddpcli.data.sets import UnreadableImage, load_splits
 from ddpcli.dist import DistContext
@@ -36,6 +38,11 @@ def folder_config(data_dir, out, **overrides) -> TrainConfig:
 
 def write_garbage(path) -> None:
     path.write_bytes(b"\x89PNG\r\n\x1a\n but not an image")
+
+
+def in_memory(size: int) -> sets.Splits:
+    images = sets.ImageSet(torch.zeros(size, 3, 8, 8, dtype=torch.uint8), torch.arange(size))
+    return sets.Splits(images, images, 10, [f"c{i}" for i in range(10)])
 
 
 def refusal(data_dir) -> str:
@@ -198,3 +205,71 @@ def test_a_bad_image_ends_the_run_with_exit_2_or_is_skipped_and_reported(tmp_pat
     assert (out / sets.SKIPPED_IMAGES_FILE).read_text().splitlines() == [str(bad)]
     assert "left out 1 image(s) that cannot be decoded" in result.stderr
     assert read_metrics(out)[0]["val_samples"] == 12
+
+
+# --- Full training batches only --------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "size,world_size,batch", [(4097, 2, 64), (52, 2, 8), (64, 2, 8), (30, 4, 3), (7, 2, 4)]
+)
+def test_steps_per_epoch_counts_the_full_batches_each_rank_is_given(size, world_size, batch):
+    cfg = TrainConfig(per_gpu_batch=batch, image_size=8)
+    for rank in range(world_size):
+        data = DataPipeline(in_memory(size), cfg, context(rank, world_size), device_resident=True)
+        batches = [labels for _, labels in data.train_batches(epoch=1)]
+        assert len(batches) == data.steps_per_epoch() == -(-size // world_size) // batch
+        assert all(len(labels) == batch for labels in batches)
+        resumed = [labels for _, labels in data.train_batches(epoch=1, skip_batches=1)]
+        assert [b.tolist() for b in resumed] == [b.tolist() for b in batches[1:]]
+        assert sum(len(labels) for _, labels in data.val_batches()) == len(
+            range(rank, size, world_size)
+        )  # validation keeps every sample
+
+
+def test_device_batches_drop_only_the_partial_last_one():
+    images = sets.ImageSet(torch.zeros(10, 3, 8, 8, dtype=torch.uint8), torch.arange(10))
+    cpu = torch.device("cpu")
+
+    def sizes(drop_last: bool) -> list[int]:
+        batches = DeviceResidentBatches(
+            images, list(range(10)), 4, cpu, [0, 0, 0], [1, 1, 1], False, 0, 0, False, drop_last
+        )
+        got = [len(labels) for _, labels in batches]
+        assert len(got) == len(batches)
+        return got
+
+    assert sizes(drop_last=True) == [4, 4] and sizes(drop_last=False) == [4, 4, 2]
+
+
+def test_a_batch_larger_than_each_rank_s_share_is_refused():
+    cfg = TrainConfig(per_gpu_batch=16, image_size=8)
+    with pytest.raises(DdpcliError, match="give each 15, less than one batch of 16"):
+        DataPipeline(in_memory(30), cfg, context(0, 2), device_resident=True)
+
+
+@pytest.mark.parametrize(
+    "size,batch,words",
+    [
+        (4097, 64, "4096 of 4097 train images per epoch (last partial batch dropped) / 4097 val"),
+        (4096, 64, "4096 train images per epoch / 4096 val images"),
+        (7, 4, "7 train images, 8 per epoch (1 repeated to even out the ranks)"),
+    ],
+)
+def test_the_header_says_how_many_images_an_epoch_trains_on(size, batch, words):
+    cfg = TrainConfig(per_gpu_batch=batch, image_size=8)
+    data = DataPipeline(in_memory(size), cfg, context(0, 2), device_resident=True)
+    assert data.describe_sizes().startswith(words)
+
+
+def test_any_set_size_trains_and_the_header_says_what_an_epoch_trains_on(tmp_path):
+    out = tmp_path / "run"
+    result = run_cli(
+        "train", "--cpu", "--nproc", "2", "--arch", "tinycnn", "--image-size", "8",
+        "--synthetic-size", "4097", "--epochs", "1", "--out", str(out), timeout=240,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "4096 of 4097 train images per epoch (last partial batch dropped)" in result.stderr
+    assert "32 steps per epoch" in result.stderr
+    metrics = read_metrics(out)[0]
+    assert metrics["step"] == 32 and metrics["val_samples"] == 1024

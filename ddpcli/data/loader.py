@@ -90,14 +90,16 @@ class ShardSampler(torch.utils.data.Sampler):
 
 class LoaderBatches:
     """One DataLoader for the whole run: workers start once and persist across epochs,
-    pinned memory, prefetching and non-blocking copies; normalisation on the device."""
+    pinned memory, prefetching and non-blocking copies; normalisation on the device.
+    `drop_last` (training) leaves out a shard's last, partial batch."""
 
-    def __init__(self, dataset, batch_size, device, mean, std, workers, channels_last):
+    def __init__(self, dataset, batch_size, device, mean, std, workers, channels_last, drop_last):
         self.sampler = ShardSampler()
         self.loader = torch.utils.data.DataLoader(
             dataset,
             batch_size=batch_size,
             sampler=self.sampler,
+            drop_last=drop_last,
             num_workers=workers,
             pin_memory=device.type == "cuda",
             persistent_workers=workers > 0,
