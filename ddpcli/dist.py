@@ -183,3 +183,12 @@ def broadcast_object(value: Value, ctx: DistContext, src: int = 0) -> Value:
     holder = [value]
     dist.broadcast_object_list(holder, src=src)
     return holder[0]
+
+
+def all_gather_object(value: Value, ctx: DistContext) -> list[Value]:
+    """Every rank's `value` (picklable), in rank order, on every rank."""
+    if not ctx.distributed:
+        return [value]
+    gathered: list[Any] = [None] * ctx.world_size
+    dist.all_gather_object(gathered, value)
+    return gathered

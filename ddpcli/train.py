@@ -33,6 +33,7 @@ from ddpcli.checkpoint.schema import (
 from ddpcli.checkpoint.writer import CheckpointWriter, write_metrics_history
 from ddpcli.config import TrainConfig
 from ddpcli.data.pipeline import DataPipeline
+from ddpcli.data.sets import SKIPPED_IMAGES_FILE
 from ddpcli.dist import DistContext, all_reduce_max, all_reduce_sum, barrier
 from ddpcli.errors import runtime_error
 from ddpcli.models import build_model
@@ -183,14 +184,20 @@ class Trainer:
             f"accumulate {cfg.accumulate} = global batch {cfg.global_batch}"
         )
         ui.info(
-            f"{cfg.arch} on {cfg.dataset} at {cfg.image_size} px · {self.data.train_size} train / "
-            f"{self.data.val_size} val images · {self.steps_per_epoch} steps per epoch · "
-            f"precision {cfg.precision} · out {cfg.out}"
+            f"{cfg.arch} on {cfg.dataset} at {cfg.image_size} px · {self.data.describe_sizes()} · "
+            f"{self.steps_per_epoch} steps per epoch · precision {cfg.precision} · out {cfg.out}"
         )
         ui.info(
             f"strategy {cfg.strategy} · data path {self.data.path_name} · "
             f"compile {'on' if cfg.compile else 'off'}{self.split_note()}"
         )
+        skipped = self.data.splits.skipped
+        if skipped:
+            ui.warn(
+                f"--skip-bad-images: left out {len(skipped)} image(s) that cannot be decoded "
+                f"({', '.join(skipped[:3])}{', ...' if len(skipped) > 3 else ''}); all of them "
+                f"in {self.out / SKIPPED_IMAGES_FILE}"
+            )
 
     def split_note(self) -> str:
         cfg = self.cfg

@@ -20,7 +20,7 @@ from torch.distributed.elastic.multiprocessing.errors import get_error_handler, 
 from ddpcli import ui
 from ddpcli.config import TrainConfig
 from ddpcli.data.pipeline import DataPipeline
-from ddpcli.data.sets import load_splits
+from ddpcli.data.sets import SKIPPED_IMAGES_FILE, load_splits
 from ddpcli.dist import DistContext, init_distributed, shutdown
 from ddpcli.environments import LauncherEnv, read_launcher_env
 from ddpcli.errors import USAGE, DdpcliError, debug_requested, first_line
@@ -86,6 +86,11 @@ def run_worker(cfg: TrainConfig, env: LauncherEnv) -> dict[str, Any]:
             (out / "config.json").write_text(cfg.model_dump_json(indent=2) + "\n")
         device_resident = keep_data_on_device(cfg, ctx)
         splits = load_splits(cfg, ctx, device_resident)
+        if ctx.is_main:  # a list an earlier run in this folder left would mislead
+            skipped_file = out / SKIPPED_IMAGES_FILE
+            skipped_file.unlink(missing_ok=True)
+            if splits.skipped:
+                skipped_file.write_text("\n".join(splits.skipped) + "\n")
         pipeline = DataPipeline(splits, cfg, ctx, device_resident)
         last = Trainer(cfg, ctx, pipeline).fit()
         summary = {
@@ -95,6 +100,7 @@ def run_worker(cfg: TrainConfig, env: LauncherEnv) -> dict[str, Any]:
             "config": str(out / "config.json"),
             "last_checkpoint": str(out / "checkpoints" / "last.pt"),
             "best_checkpoint": str(out / "checkpoints" / "best.pt"),
+            **skipped_summary(cfg, splits.skipped, out),
         }
         if ctx.is_main:
             (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
@@ -102,6 +108,20 @@ def run_worker(cfg: TrainConfig, env: LauncherEnv) -> dict[str, Any]:
         shutdown()
     if ctx.is_main:  # only after a clean run: a failed one may still be debugged
         remove_init_file(cfg.init_method)
+    return summary
+
+
+SKIPPED_NAMED = 10  # in summary.json; the file in --out lists every one
+
+
+def skipped_summary(cfg: TrainConfig, skipped: list[str], out: Path) -> dict[str, Any]:
+    """With --skip-bad-images: how many files were left out, the first few, and the list."""
+    if not cfg.skip_bad_images:
+        return {}
+    summary: dict[str, Any] = {"skipped_images": len(skipped)}
+    if skipped:
+        summary["skipped_images_first"] = skipped[:SKIPPED_NAMED]
+        summary["skipped_images_file"] = str(out / SKIPPED_IMAGES_FILE)
     return summary
 
 

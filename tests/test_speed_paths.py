@@ -56,7 +56,8 @@ def assert_same_batches(got, want) -> None:
 
 @pytest.mark.parametrize("workers,rank", [(0, 0), (2, 1)])
 def test_device_and_loader_paths_give_identical_batches(tmp_path, workers, rank):
-    # 52 images over 2 ranks in batches of 8: a short last batch on each rank.
+    # 52 images over 2 ranks in batches of 8: training drops each rank's short last batch,
+    # validation keeps it.
     cfg = tiny_config(tmp_path, workers=workers)
     ctx = context(rank, world_size=2)
     device_path, loader_path = pipeline(cfg, ctx, True), pipeline(cfg, ctx, False)

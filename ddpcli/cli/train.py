@@ -67,6 +67,7 @@ def train(
         int | None,
         train_option("workers", panel=DATA, default="CPU cores per local rank - 1, at most 8"),
     ] = None,
+    skip_bad_images: Annotated[bool | None, train_option("skip_bad_images", panel=DATA)] = None,
     arch: Annotated[
         str | None,
         train_option(
@@ -256,6 +257,11 @@ def report_training(cfg, summary: dict, json_output: bool) -> None:
     if "val_acc" in summary:
         ui.info(f"done: {ui.format_metrics(summary)}")
         ui.info(resource_line(cfg, summary))
+    if summary.get("skipped_images"):
+        ui.warn(
+            f"--skip-bad-images left out {summary['skipped_images']} image(s) that cannot be "
+            f"decoded: listed in {summary['skipped_images_file']}"
+        )
     ui.info(
         f"outputs in {summary.get('out')}: metrics.jsonl, config.json, checkpoints/last.pt, best.pt"
     )

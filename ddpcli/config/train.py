@@ -51,6 +51,12 @@ class TrainConfig(BaseModel):
     synthetic_size: int = Field(4096, ge=16, description="training images of the synthetic set")
     data_path: Literal["auto", "device", "loader"] = "auto"
     workers: int | None = Field(None, ge=0, description="DataLoader workers per rank")
+    skip_bad_images: bool = Field(
+        False,
+        description="leave out image files that cannot be decoded (counted, listed in "
+        "summary.json) instead of stopping; the loader path then decodes each image once "
+        "before training to find them",
+    )
     # model and optimisation
     arch: str | None = None
     epochs: int = Field(5, ge=1)

@@ -17,7 +17,8 @@ from ddpcli.data.sets import ImageSet
 
 class DeviceResidentBatches:
     """Batches of an in-memory ImageSet, on `device`: gather, random crop with padding,
-    horizontal flip and normalisation done for the whole batch at once."""
+    horizontal flip and normalisation done for the whole batch at once. `drop_last`
+    (training) leaves out the last, partial batch, as DataLoader's drop_last does."""
 
     def __init__(
         self,
@@ -31,6 +32,7 @@ class DeviceResidentBatches:
         seed: int,
         epoch: int,
         channels_last: bool = False,
+        drop_last: bool = False,
     ):
         self.images = images.images.to(device)
         self.labels = images.labels.to(device)
@@ -42,12 +44,15 @@ class DeviceResidentBatches:
         self.augment = augment
         self.seed, self.epoch = seed, epoch
         self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
+        self.drop_last = drop_last
 
     def __len__(self) -> int:
+        if self.drop_last:
+            return len(self.indices) // self.batch_size
         return math.ceil(len(self.indices) / self.batch_size)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        for start in range(0, len(self.indices), self.batch_size):
+        for start in range(0, len(self) * self.batch_size, self.batch_size):
             batch = self.indices[start : start + self.batch_size].to(self.device)
             images = self.images[batch]
             if self.augment:

@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import abc
 import os
-from pathlib import Path
 
 import torch
 
 from ddpcli.data.augment import crop_and_flip_one
-from ddpcli.data.sets import ImageSet, folder_samples, read_rgb
+from ddpcli.data.sets import ImageSet, Sample, read_rgb
 
 
 class KeyedImages(torch.utils.data.Dataset, abc.ABC):
@@ -54,13 +53,13 @@ class MemoryDataset(KeyedImages):
 
 
 class FolderDataset(KeyedImages):
-    """ImageNet-layout images, decoded and resized per item in DataLoader workers."""
+    """ImageNet-layout images, decoded and resized per item in DataLoader workers. An image
+    that cannot be decoded ends the run with UnreadableImage, naming it (--skip-bad-images
+    leaves such files out of `samples` before training: ddpcli.data.sets.drop_unreadable)."""
 
-    def __init__(
-        self, split_dir: Path, classes: list[str], image_size: int, seed: int, augment: bool
-    ):
+    def __init__(self, samples: list[Sample], image_size: int, seed: int, augment: bool):
         super().__init__(seed, augment)
-        self.samples = folder_samples(split_dir, classes)
+        self.samples = samples
         self.image_size = image_size
 
     def __len__(self) -> int:
@@ -95,14 +94,16 @@ class ShardSampler(torch.utils.data.Sampler):
 
 class LoaderBatches:
     """One DataLoader for the whole run: workers start once and persist across epochs,
-    pinned memory, prefetching and non-blocking copies; normalisation on the device."""
+    pinned memory, prefetching and non-blocking copies; normalisation on the device.
+    `drop_last` (training) leaves out a shard's last, partial batch."""
 
-    def __init__(self, dataset, batch_size, device, mean, std, workers, channels_last):
+    def __init__(self, dataset, batch_size, device, mean, std, workers, channels_last, drop_last):
         self.sampler = ShardSampler()
         self.loader = torch.utils.data.DataLoader(
             dataset,
             batch_size=batch_size,
             sampler=self.sampler,
+            drop_last=drop_last,
             num_workers=workers,
             pin_memory=device.type == "cuda",
             persistent_workers=workers > 0,

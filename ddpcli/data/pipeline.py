@@ -1,6 +1,9 @@
 """What the training loop sees: this rank's train and validation batches, whichever path
 they come from. Training is sharded exactly as DistributedSampler shards it (`set_epoch`
-each epoch); validation is strided and unpadded, so every sample is counted exactly once.
+each epoch), in full batches only: a shard's last, partial batch is left out (as timm
+does), so no step runs on a handful of images and BatchNorm always sees a batch; the
+order changes every epoch, so no image is always the one left out. Validation is strided
+and unpadded, so every sample is counted exactly once.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from ddpcli.data.loader import (
 )
 from ddpcli.data.sets import FolderSplits, ImageSet, MemorySplits, Splits
 from ddpcli.dist import DistContext
+from ddpcli.errors import usage_error
 
 # Image folders are normalised with ImageNet's statistics on both paths (as torchvision's
 # reference recipes do); the in-memory sets with their own, measured on the training split.
@@ -105,6 +109,7 @@ class DataPipeline:
                 MemoryDataset(splits.train, cfg.seed, augment=True),
                 MemoryDataset(splits.val, cfg.seed, augment=False),
             )
+        self._check_one_batch()
 
     def _hold_on_device(self, splits: MemorySplits) -> None:
         # The uint8 set lives where it is augmented; batches never cross PCIe.
@@ -114,36 +119,66 @@ class DataPipeline:
         self.train_size, self.val_size = len(splits.train), len(splits.val)
 
     def _stream_folders(self, splits: FolderSplits) -> None:
-        size, classes, seed = self.cfg.resolved_image_size, splits.class_names, self.cfg.seed
+        size, seed = self.cfg.resolved_image_size, self.cfg.seed
         self._start_loaders(
-            FolderDataset(splits.train_dir, classes, size, seed, augment=True),
-            FolderDataset(splits.val_dir, classes, size, seed, augment=False),
+            FolderDataset(splits.train_samples, size, seed, augment=True),
+            FolderDataset(splits.val_samples, size, seed, augment=False),
         )
 
     def _start_loaders(self, train: KeyedImages, val: KeyedImages) -> None:
         self.train_size, self.val_size = len(train), len(val)
-        self.train_loader, self.val_loader = self._loader(train), self._loader(val)
+        self.train_loader = self._loader(train, drop_last=True)
+        self.val_loader = self._loader(val, drop_last=False)
 
-    def _loader(self, dataset: KeyedImages) -> LoaderBatches:
+    def _loader(self, dataset: KeyedImages, drop_last: bool) -> LoaderBatches:
         return LoaderBatches(
             dataset, self.cfg.per_gpu_batch, self.ctx.device, self.mean, self.std, self.workers,
-            self.channels_last,
+            self.channels_last, drop_last,
         )  # fmt: skip
+
+    def _check_one_batch(self) -> None:
+        """Full batches only: each rank's share of the train split must fill one."""
+        if self.steps_per_epoch() == 0:
+            world, batch = self.ctx.world_size, self.cfg.per_gpu_batch
+            raise usage_error(
+                f"invalid --per-gpu-batch: {self.train_size} train images over {world} "
+                f"rank(s) give each {self.shard_size()}, less than one batch of {batch}; "
+                f"lower --per-gpu-batch to {self.shard_size()} or less"
+            )
 
     @property
     def path_name(self) -> str:
         return "device" if self.device_resident else f"loader ({self.workers} workers)"
 
+    def shard_size(self) -> int:
+        """Each rank's training images per epoch, before batching (DistributedSampler pads)."""
+        return math.ceil(self.train_size / self.ctx.world_size)
+
     def steps_per_epoch(self) -> int:
-        per_rank = math.ceil(self.train_size / self.ctx.world_size)
-        return math.ceil(per_rank / self.cfg.per_gpu_batch)
+        """Full batches per rank and epoch: what train_batches yields."""
+        return self.shard_size() // self.cfg.per_gpu_batch
+
+    def images_per_epoch(self) -> int:
+        return self.steps_per_epoch() * self.cfg.per_gpu_batch * self.ctx.world_size
+
+    def describe_sizes(self) -> str:
+        """`4096 of 4097 train images per epoch (last partial batch dropped) / 1025 val`."""
+        trained, size = self.images_per_epoch(), self.train_size
+        if trained < size:
+            train = f"{trained} of {size} train images per epoch (last partial batch dropped)"
+        elif trained > size:  # DistributedSampler repeats a few to give each rank as many
+            repeated = f"{trained - size} repeated to even out the ranks"
+            train = f"{size} train images, {trained} per epoch ({repeated})"
+        else:
+            train = f"{size} train images per epoch"
+        return f"{train} / {self.val_size} val images"
 
     def train_batches(self, epoch: int, skip_batches: int = 0):
         """The epoch's order depends only on seed and epoch; a resume skips by position."""
         indices = train_shard(self.train_size, self.ctx, self.cfg.seed, epoch)
         indices = indices[skip_batches * self.cfg.per_gpu_batch :]
         if self.device_resident:
-            batches = self._device_batches(self.train_set, indices, augment=True, epoch=epoch)
+            batches = self._device_batches(self.train_set, indices, True, epoch, drop_last=True)
         else:
             batches = self.train_loader.for_epoch(indices, epoch)
         if self.trace_file:
@@ -153,11 +188,13 @@ class DataPipeline:
     def val_batches(self):
         indices = val_shard(self.val_size, self.ctx)
         if self.device_resident:
-            return self._device_batches(self.val_set, indices, augment=False, epoch=0)
+            return self._device_batches(self.val_set, indices, False, 0, drop_last=False)
         return self.val_loader.for_epoch(indices, 0)
 
-    def _device_batches(self, image_set: ImageSet, indices, augment: bool, epoch: int):
+    def _device_batches(
+        self, image_set: ImageSet, indices, augment: bool, epoch: int, drop_last: bool
+    ):
         return DeviceResidentBatches(
             image_set, indices, self.cfg.per_gpu_batch, self.ctx.device, self.mean, self.std,
-            augment, self.cfg.seed, epoch, self.channels_last,
+            augment, self.cfg.seed, epoch, self.channels_last, drop_last,
         )  # fmt: skip

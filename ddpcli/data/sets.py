@@ -6,7 +6,9 @@ folders; and the checks that run before any worker starts.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeAlias
 
@@ -14,14 +16,19 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ddpcli import ui
 from ddpcli.config import TrainConfig
-from ddpcli.dist import DistContext, zero_first
-from ddpcli.errors import usage_error
+from ddpcli.dist import DistContext, all_gather_object, zero_first
+from ddpcli.errors import USAGE, DdpcliError, first_line, usage_error
 from ddpcli.files import atomic_save
 
 STL10_SIDE = 96
 STL10_IMAGE_BYTES = 3 * STL10_SIDE * STL10_SIDE
-IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".ppm", ".webp", ".tif", ".tiff"}
+# torchvision's ImageFolder extensions, compared case-insensitively.
+IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".ppm", ".pgm", ".webp", ".tif", ".tiff"}
+Sample = tuple[Path, int]  # an image file and its label
+# In --out: the image files --skip-bad-images left out, one path a line.
+SKIPPED_IMAGES_FILE = "skipped_images.txt"
 
 
 @dataclass
@@ -43,16 +50,19 @@ class MemorySplits:
     val: ImageSet
     num_classes: int
     class_names: list[str]
+    # Image files left out because they cannot be decoded (--skip-bad-images).
+    skipped: list[str] = field(default_factory=list)
 
 
 @dataclass
 class FolderSplits:
-    """An image folder's train and validation folders, streamed by the loader's workers."""
+    """An image folder's train and validation files, streamed by the loader's workers."""
 
-    train_dir: Path
-    val_dir: Path
+    train_samples: list[Sample]
+    val_samples: list[Sample]
     num_classes: int
     class_names: list[str]
+    skipped: list[str] = field(default_factory=list)
 
 
 Splits: TypeAlias = MemorySplits | FolderSplits
@@ -153,7 +163,7 @@ def folder_classes(split_dir: Path) -> list[str]:
     return sorted(entry.name for entry in split_dir.iterdir() if entry.is_dir())
 
 
-def folder_samples(split_dir: Path, classes: list[str]) -> list[tuple[Path, int]]:
+def folder_samples(split_dir: Path, classes: list[str]) -> list[Sample]:
     samples = []
     for label, name in enumerate(classes):
         class_dir = split_dir / name
@@ -165,33 +175,89 @@ def folder_samples(split_dir: Path, classes: list[str]) -> list[tuple[Path, int]
     return samples
 
 
+def holds_images(folder: Path) -> bool:
+    """Stops at the first image: cheap on a folder of any size."""
+    return folder.is_dir() and any(
+        path.suffix.lower() in IMAGE_SUFFIXES for path in folder.rglob("*")
+    )
+
+
+def listed(names: list[str], limit: int = 5) -> str:
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
 def check_imagefolder(data_dir: Path) -> list[str]:
-    """Fail early, before any process starts, if the layout is not train/<class>/*."""
+    """Fail early, before any process starts, unless the layout is train/<class>/* and
+    val/<class>/*, every train class holds an image, val holds images and names no class that
+    train lacks (the model would have no label for them), and no image lies outside a class
+    folder. Each check stops at the first image it finds: no folder is listed in full here."""
+    suffixes = ", ".join(sorted(IMAGE_SUFFIXES))
     for split in ("train", "val"):
-        if not (data_dir / split).is_dir():
+        split_dir = data_dir / split
+        if not split_dir.is_dir():
             raise usage_error(
-                f"{data_dir / split} is missing: --dataset imagefolder expects "
+                f"{split_dir} is missing: --dataset imagefolder expects "
                 "DATA_DIR/train/<class>/*.jpg and DATA_DIR/val/<class>/*.jpg"
             )
-    classes = folder_classes(data_dir / "train")
+        loose = sorted(
+            entry.name
+            for entry in split_dir.iterdir()
+            if entry.suffix.lower() in IMAGE_SUFFIXES and entry.is_file()
+        )
+        if loose:
+            raise usage_error(
+                f"{split_dir} holds images outside any class folder ({listed(loose)}); "
+                f"move each into {split}/<class>/"
+            )
+    train_dir, val_dir = data_dir / "train", data_dir / "val"
+    classes = folder_classes(train_dir)
     if len(classes) < 2:
-        raise usage_error(f"{data_dir / 'train'} needs at least two class folders")
+        raise usage_error(f"{train_dir} needs at least two class folders")
+    empty = [name for name in classes if not holds_images(train_dir / name)]
+    if empty:
+        raise usage_error(
+            f"{train_dir} has class folders with no images: {listed(empty)}; add images "
+            f"({suffixes}) or remove those folders"
+        )
+    unknown = sorted(set(folder_classes(val_dir)) - set(classes))
+    if unknown:
+        raise usage_error(
+            f"{val_dir} has class folders that train lacks: {listed(unknown)}; the model has "
+            f"no label for them: add them to {train_dir} or move them out of val"
+        )
+    if not any(holds_images(val_dir / name) for name in classes):
+        raise usage_error(f"{val_dir} holds no images in its class folders ({suffixes})")
     return classes
 
 
-def decode_folder(split_dir: Path, classes: list[str], image_size: int) -> ImageSet:
-    """Decode once to uint8 at the training size: shorter side resized, centre crop."""
+def decode_folder(
+    split_dir: Path, classes: list[str], image_size: int, skip_bad_images: bool = False
+) -> tuple[ImageSet, list[str]]:
+    """Decode once to uint8 at the training size: shorter side resized, centre crop. An image
+    that cannot be decoded stops the run, or with `skip_bad_images` is left out and listed."""
     from torchvision.transforms.v2 import functional as TF
 
     samples = folder_samples(split_dir, classes)
     if not samples:
         raise usage_error(f"{split_dir} holds no images ({', '.join(sorted(IMAGE_SUFFIXES))})")
     images = torch.empty(len(samples), 3, image_size, image_size, dtype=torch.uint8)
-    for index, (path, _) in enumerate(samples):
-        image = TF.resize(read_rgb(path), image_size, antialias=True)
-        images[index] = TF.center_crop(image, [image_size, image_size])
-    labels = torch.tensor([label for _, label in samples], dtype=torch.int64)
-    return ImageSet(images, labels)
+    labels: list[int] = []
+    skipped: list[str] = []
+    for path, label in samples:
+        try:
+            decoded = read_rgb(path)
+        except UnreadableImage:
+            if not skip_bad_images:
+                raise
+            skipped.append(str(path))
+            continue
+        image = TF.resize(decoded, image_size, antialias=True)
+        images[len(labels)] = TF.center_crop(image, [image_size, image_size])
+        labels.append(label)
+    if skipped:  # a copy: a view would save the whole buffer
+        images = images[: len(labels)].clone()
+    return ImageSet(images, torch.tensor(labels, dtype=torch.int64)), skipped
 
 
 def folder_cache_path(data_dir: Path, image_size: int, cache_dir: Path) -> Path:
@@ -202,34 +268,125 @@ def folder_cache_path(data_dir: Path, image_size: int, cache_dir: Path) -> Path:
 
 
 def imagefolder_splits(
-    data_dir: Path, image_size: int, decode_once: bool, cache_dir: Path, ctx: DistContext
+    data_dir: Path,
+    image_size: int,
+    decode_once: bool,
+    cache_dir: Path,
+    ctx: DistContext,
+    skip_bad_images: bool = False,
 ) -> Splits:
     classes = check_imagefolder(data_dir)
     if not decode_once:  # the loader's workers decode each image as it is needed
-        return FolderSplits(data_dir / "train", data_dir / "val", len(classes), classes)
+        train, val = (folder_samples(data_dir / split, classes) for split in ("train", "val"))
+        skipped: list[str] = []
+        if skip_bad_images:
+            train, val, skipped = drop_unreadable(train, val, ctx)
+        check_split_sizes(data_dir, len(train), len(val), skipped)
+        return FolderSplits(train, val, len(classes), classes, skipped)
     cache = folder_cache_path(data_dir, image_size, cache_dir)
     with zero_first(ctx):
         if ctx.is_main and not cache.exists():
             splits = {
-                split: decode_folder(data_dir / split, classes, image_size)
+                split: decode_folder(data_dir / split, classes, image_size, skip_bad_images)
                 for split in ("train", "val")
             }
             cache.parent.mkdir(parents=True, exist_ok=True)
             atomic_save(
-                {k: {"images": v.images, "labels": v.labels} for k, v in splits.items()}, cache
+                {
+                    split: {"images": images.images, "labels": images.labels, "skipped": skipped}
+                    for split, (images, skipped) in splits.items()
+                },
+                cache,
             )
     stored = torch.load(cache, weights_only=True)
-    train, val = (ImageSet(stored[s]["images"], stored[s]["labels"]) for s in ("train", "val"))
-    return MemorySplits(train, val, len(classes), classes)
+    train_set, val_set = (
+        ImageSet(stored[s]["images"], stored[s]["labels"]) for s in ("train", "val")
+    )
+    skipped = [path for split in ("train", "val") for path in stored[split].get("skipped", [])]
+    if skipped and not skip_bad_images:  # the cache of a run that skipped them
+        read_rgb(Path(skipped[0]))  # raises UnreadableImage, saying why
+        raise usage_error(f"{cache} lacks {skipped[0]}: delete the cache and start again")
+    check_split_sizes(data_dir, len(train_set), len(val_set), skipped)
+    return MemorySplits(train_set, val_set, len(classes), classes, skipped=skipped)
+
+
+def check_split_sizes(data_dir: Path, train: int, val: int, skipped: list[str]) -> None:
+    """--skip-bad-images must leave images to train and validate on."""
+    for split, count in (("train", train), ("val", val)):
+        if count == 0:
+            raise usage_error(
+                f"no image in {data_dir / split} can be decoded ({len(skipped)} skipped, "
+                f"first {skipped[0] if skipped else 'none'}); check the files"
+            )
+
+
+class UnreadableImage(DdpcliError):
+    """An image file that cannot be decoded: exit 2 (bad input), naming the file.
+
+    Raised in a DataLoader worker, it reaches the training process re-created from the
+    worker's formatted traceback, whose last line is `ddpcli.data.sets.UnreadableImage:
+    <message>`; only that message is kept, so the user still reads one line."""
+
+    def __init__(self, message: str) -> None:
+        last = (message.strip().splitlines() or [message])[-1]
+        super().__init__(last.split(f"{UnreadableImage.__name__}: ", 1)[-1], USAGE)
 
 
 def read_rgb(path: Path) -> torch.Tensor:
-    """uint8 (3, H, W). PIL decodes: torchvision.io's decoders are deprecated from 0.29."""
+    """uint8 (3, H, W). PIL decodes: torchvision.io's decoders are deprecated from 0.29.
+
+    Every mode becomes RGB as torchvision's ImageFolder makes it (PIL's `convert("RGB")`):
+    grey repeated, CMYK converted without a colour profile, alpha (RGBA, LA, a palette's
+    transparency) dropped, not composited. A palette with transparency goes through RGBA,
+    which gives the same pixels without PIL's warning."""
     from PIL import Image
     from torchvision.transforms.v2.functional import pil_to_tensor
 
-    with Image.open(path) as image:
-        return pil_to_tensor(image.convert("RGB"))
+    try:
+        with Image.open(path) as image:
+            if image.mode == "P" and "transparency" in image.info:
+                rgb = image.convert("RGBA").convert("RGB")
+            else:
+                rgb = image.convert("RGB")
+    except (OSError, SyntaxError, ValueError, EOFError, Image.DecompressionBombError) as error:
+        reason = (
+            "not an image file PIL can read"
+            if isinstance(error, Image.UnidentifiedImageError)
+            else first_line(error)
+        )
+        raise UnreadableImage(
+            f"cannot decode image {path}: {reason}; fix or delete the file, or pass "
+            "--skip-bad-images to leave such files out"
+        ) from None
+    return pil_to_tensor(rgb)
+
+
+def is_readable(path: Path) -> bool:
+    try:
+        read_rgb(path)
+    except UnreadableImage:
+        return False
+    return True
+
+
+def drop_unreadable(
+    train: list[Sample], val: list[Sample], ctx: DistContext
+) -> tuple[list[Sample], list[Sample], list[str]]:
+    """--skip-bad-images on the loader path: every image decoded once before training, each
+    rank a strided share on its threads (PIL lets go of the GIL while it decodes), and the
+    ranks pool what they found: every rank drops the same files, so the shards stay equal."""
+    paths = [path for path, _ in train + val]
+    if ctx.is_main:
+        ui.info(f"--skip-bad-images: decoding each of {len(paths)} images once before training")
+    mine = paths[ctx.rank :: ctx.world_size]
+    with ThreadPoolExecutor(max(1, torch.get_num_threads())) as pool:
+        found = [str(p) for p, ok in zip(mine, pool.map(is_readable, mine), strict=True) if not ok]
+    bad = {path for share in all_gather_object(found, ctx) for path in share}
+
+    def kept(samples: Iterable[Sample]) -> list[Sample]:
+        return [sample for sample in samples if str(sample[0]) not in bad]
+
+    return kept(train), kept(val), [str(path) for path in paths if str(path) in bad]
 
 
 def resize_set(image_set: ImageSet, image_size: int) -> ImageSet:
@@ -254,7 +411,9 @@ def load_splits(cfg: TrainConfig, ctx: DistContext, device_resident: bool) -> Sp
             splits.val = resize_set(splits.val, image_size)
         return splits
     cache_dir = cfg.resolved_out / "cache"
-    return imagefolder_splits(cfg.resolved_data_dir, image_size, device_resident, cache_dir, ctx)
+    return imagefolder_splits(
+        cfg.resolved_data_dir, image_size, device_resident, cache_dir, ctx, cfg.skip_bad_images
+    )
 
 
 def check_data_source(cfg: TrainConfig) -> None:
