@@ -40,9 +40,9 @@ def write_garbage(path) -> None:
     path.write_bytes(b"\x89PNG\r\n\x1a\n but not an image")
 
 
-def in_memory(size: int) -> sets.Splits:
+def in_memory(size: int) -> sets.MemorySplits:
     images = sets.ImageSet(torch.zeros(size, 3, 8, 8, dtype=torch.uint8), torch.arange(size))
-    return sets.Splits(images, images, 10, [f"c{i}" for i in range(10)])
+    return sets.MemorySplits(images, images, 10, [f"c{i}" for i in range(10)])
 
 
 def refusal(data_dir) -> str:
