@@ -45,6 +45,7 @@ def run_ddpcli(data: Path, epochs: int, seed: int, out: Path) -> dict:
         "imagefolder", "--data-dir", str(data), "--arch", "resnet18", "--image-size", "32",
         "--epochs", str(epochs), "--per-gpu-batch", "32", "--seed", str(seed), "--out",
         str(out), "--json",
+        "--lr", "0.1", "--lr-scaling", "none",  # the script's rate at batch 64, as given
     ]  # fmt: skip
     started = time.perf_counter()
     result = subprocess.run(command, capture_output=True, text=True, timeout=3600, check=True)
