@@ -47,7 +47,10 @@ def resolve_train_config(cfg: TrainConfig, launcher: LauncherEnv | None) -> Trai
         check_interface(cfg.ifname)
     if launcher is None or launcher.rank == 0:
         check_init_file(cfg)
-    return TrainConfig(**values)
+    resolved = TrainConfig(**values)
+    # What --dry-run shows; every worker computes it again from the world it joined.
+    world_size = launcher.world_size if launcher is not None else resolved.world_size
+    return resolved.model_copy(update={"peak_lr": resolved.peak_lr_at(world_size)})
 
 
 def default_out_dir() -> Path:

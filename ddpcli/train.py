@@ -55,6 +55,7 @@ def build_parallel_model(cfg: TrainConfig, ctx: DistContext, num_classes: int) -
 
 
 def build_optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
+    """SGD at the run's peak rate: --lr scaled to the global batch (`peak_lr`)."""
     # No weight decay on norms and biases: the usual recipe for BN nets.
     decay: list[nn.Parameter] = []
     no_decay: list[nn.Parameter] = []
@@ -66,10 +67,11 @@ def build_optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer
     ]
     # One fused kernel for the whole update, on GPUs and on the CPU alike: on the CPU
     # foreach is the slowest choice (measured in docs/performance.md).
+    lr = cfg.resolved_peak_lr
     try:
-        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=True, fused=True)
+        return torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum, nesterov=True, fused=True)
     except (RuntimeError, ValueError):  # an older torch without fused SGD for this device
-        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=True)
+        return torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum, nesterov=True)
 
 
 def warmup_cosine(total_steps: int, warmup_steps: int) -> Callable[[int], float]:
@@ -80,6 +82,17 @@ def warmup_cosine(total_steps: int, warmup_steps: int) -> Callable[[int], float]
         return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
     return factor
+
+
+def use_peak_lr(scheduler: torch.optim.lr_scheduler.LambdaLR, peak_lr: float) -> None:
+    """Make PEAK_LR the schedule's base rate, and the current rate follow from it.
+
+    A restored scheduler carries the base rate of the run that saved it; resumed with
+    another global batch, this run's scaled rate must win from the next step on."""
+    scheduler.base_lrs = [peak_lr] * len(scheduler.optimizer.param_groups)
+    for group, factor in zip(scheduler.optimizer.param_groups, scheduler.lr_lambdas, strict=True):
+        group["initial_lr"] = peak_lr
+        group["lr"] = peak_lr * factor(scheduler.last_epoch)
 
 
 def autocast_context(cfg: TrainConfig, ctx: DistContext) -> AbstractContextManager[object]:
@@ -100,13 +113,15 @@ class Trainer:
         self.model = build_parallel_model(cfg, ctx, data.splits.num_classes)
         self.forward_model = torch.compile(self.model) if cfg.compile else self.model
         self.optimizer = build_optimizer(cfg, self.model)
+        self.global_batch = cfg.global_batch_at(ctx.world_size)
         micro_steps = data.steps_per_epoch()
         self.steps_per_epoch = math.ceil(micro_steps / cfg.accumulate)
         total = cfg.epochs * self.steps_per_epoch
         self.total_steps = min(total, cfg.max_steps) if cfg.max_steps else total
         warmup = round(cfg.warmup_epochs * self.steps_per_epoch)
+        self.warmup_steps = min(warmup, self.total_steps // 2)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, warmup_cosine(self.total_steps, min(warmup, self.total_steps // 2))
+            self.optimizer, warmup_cosine(self.total_steps, self.warmup_steps)
         )
         self.scaler = torch.amp.GradScaler(ctx.device.type, enabled=cfg.precision == "fp16")
         self.loss_fn = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
@@ -127,6 +142,7 @@ class Trainer:
     def resume(self, path: Path) -> None:
         payload = load_training_checkpoint(path, map_location=self.ctx.device)
         self.state = restore_training(payload, self.parts(), self.ctx, path)
+        use_peak_lr(self.scheduler, self.cfg.resolved_peak_lr)
         if self.ctx.is_main:
             config = json.loads(self.cfg.model_dump_json())
             for warning in resume_warnings(payload, config, self.ctx.world_size):
@@ -181,7 +197,11 @@ class Trainer:
         ui.info(
             f"world size {self.ctx.world_size} ({self.ctx.backend}, {self.ctx.device.type}) · "
             f"per-process batch {cfg.per_gpu_batch} × world {self.ctx.world_size} × "
-            f"accumulate {cfg.accumulate} = global batch {cfg.global_batch}"
+            f"accumulate {cfg.accumulate} = global batch {self.global_batch}"
+        )
+        ui.info(
+            f"{cfg.describe_lr_at(self.ctx.world_size)} · linear warm-up {self.warmup_steps} "
+            f"steps, cosine decay to 0 at step {self.total_steps}"
         )
         ui.info(
             f"{cfg.arch} on {cfg.dataset} at {cfg.image_size} px · {self.data.describe_sizes()} · "
@@ -249,7 +269,8 @@ class Trainer:
             "val_samples": val_samples,
             "images_per_sec": images_per_sec,
             "lr": self.scheduler.get_last_lr()[0],
-            "global_batch": cfg.global_batch,
+            "peak_lr": cfg.peak_lr,
+            "global_batch": self.global_batch,
             "world_size": ctx.world_size,
             **self.memory_metrics(),
             **({"first_step_at": first_step_at} if first_step_at else {}),

@@ -38,7 +38,9 @@ SUMMARY_FILE = "summary.json"
 
 def finalize_for_device(cfg: TrainConfig, ctx: DistContext) -> TrainConfig:
     """The settings only a worker can resolve: they depend on the device it was given."""
-    updates: dict[str, Any] = {"backend": ctx.backend}
+    # The rate for the world this worker joined: under torchrun it may not be the one that
+    # --nproc/--gpus describe.
+    updates: dict[str, Any] = {"backend": ctx.backend, "peak_lr": cfg.peak_lr_at(ctx.world_size)}
     if cfg.precision == "auto":
         gpu_bf16 = ctx.device.type == "cuda" and torch.cuda.is_bf16_supported()
         updates["precision"] = "bf16" if gpu_bf16 else "fp32"

@@ -177,6 +177,7 @@ def test_train_help_shows_each_default_and_the_choices():
     assert "[synthetic|stl10|imagefolder]" in option_row(lines, "--dataset")
     assert "[default: synthetic]" in option_row(lines, "--dataset")
     assert "[ddp|dp|balanced-dp]" in option_row(lines, "--strategy")
+    assert "[linear|sqrt|none]" in option_row(lines, "--lr-scaling")
     assert "[default: all GPUs, else 2 CPU processes]" in option_row(lines, "--gpus")
     assert "[default: no-cpu]" in option_row(lines, "--cpu")
     from ddpcli import resolve  # the words for values the machine decides, kept in step
@@ -191,7 +192,8 @@ def test_train_help_shows_each_default_and_the_choices():
     flags_without_value = {"--dry-run", "--json", "--help"}
     for name in TrainConfig.model_fields:
         flag = f"--{name.replace('_', '-')}"
-        if name != "trace_samples" and flag not in flags_without_value:
+        settings = name not in ("trace_samples", "peak_lr")  # peak_lr: resolved, not given
+        if settings and flag not in flags_without_value:
             assert "[default: " in option_row(lines, flag), flag
 
 

@@ -133,6 +133,10 @@ def test_world_size_change_warns_and_a_gpu_checkpoint_loads_on_cpu(
     result = train(out, "--resume", str(from_gpu), nproc=1)
     assert "written by 2 ranks, this run has 1" in result.stderr
     assert "data order" in result.stderr
+    # tinycnn's --lr 0.2 per 256 images: 0.025 at a global batch of 32, 0.0125 at 16.
+    assert "global batch 32 -> 16, peak lr 0.025 -> 0.0125" in result.stderr
     metrics = read_metrics(out)
     assert [m["epoch"] for m in metrics] == [1, 2, 3]
     assert [m["world_size"] for m in metrics] == [2, 1, 1]
+    assert [m["peak_lr"] for m in metrics] == [0.025, 0.0125, 0.0125]
+    assert 0 < metrics[1]["lr"] < 0.0125  # the cosine goes on from the new peak

@@ -159,7 +159,7 @@ def train_in_process(cfg: TrainConfig) -> tuple[Trainer, dict]:
 
 
 def test_precision_auto_is_fp32_on_the_cpu():
-    cfg = finalize_for_device(TrainConfig(cpu=True), context())
+    cfg = finalize_for_device(TrainConfig(cpu=True, arch="tinycnn"), context())
     assert cfg.precision == "fp32" and cfg.backend == "gloo"
 
 

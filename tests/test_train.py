@@ -10,9 +10,10 @@ TINY = ["--cpu", "--arch", "tinycnn", "--image-size", "16", "--per-gpu-batch", "
 
 def test_two_gloo_workers_learn_the_synthetic_set(tmp_path):
     out = tmp_path / "run"
+    # --lr 0.8 per 256 images is 0.2 at this global batch of 64.
     result = run_cli(
         "train", *TINY, "--nproc", "2", "--synthetic-size", "2048", "--epochs", "4",
-        "--lr", "0.2", "--out", str(out), "--json", timeout=240,
+        "--lr", "0.8", "--out", str(out), "--json", timeout=240,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads(result.stdout)  # stdout holds the JSON document and nothing else
@@ -32,6 +33,10 @@ def test_two_gloo_workers_learn_the_synthetic_set(tmp_path):
     # The run states the batch arithmetic before the first step.
     assert "global batch 64" in result.stderr
     assert "world size 2" in result.stderr
+    # ... and the learning rate it scaled to that batch, which config.json records.
+    assert "lr 0.8 per 256 images -> 0.2 at global batch 64 (linear)" in result.stderr
+    assert config["lr"] == 0.8 and config["peak_lr"] == 0.2
+    assert all(m["peak_lr"] == 0.2 for m in metrics)
 
 
 def test_validation_counts_every_sample_once_with_an_odd_count(tmp_path):

@@ -31,8 +31,8 @@ TRAINING_KEYS = (
 # Settings that change the arithmetic: resuming with other values cannot reproduce the run.
 RESULT_SETTINGS = (
     "arch", "dataset", "image_size", "synthetic_size", "epochs", "per_gpu_batch", "accumulate",
-    "lr", "momentum", "weight_decay", "warmup_epochs", "label_smoothing", "seed", "precision",
-    "max_steps",
+    "lr", "lr_base_batch", "lr_scaling", "momentum", "weight_decay", "warmup_epochs",
+    "label_smoothing", "seed", "precision", "max_steps",
 )  # fmt: skip
 
 
@@ -139,14 +139,18 @@ def check_training_payload(payload: Any, path: Path) -> None:
 
 
 def resume_warnings(payload: dict[str, Any], config: dict[str, Any], world_size: int) -> list[str]:
-    """What makes the resumed run differ from the uninterrupted one."""
+    """What makes the resumed run differ from the uninterrupted one. CONFIG is this run's
+    resolved config (with its `peak_lr`), WORLD_SIZE the world it really has."""
     notes = []
+    saved = payload.get("config") or {}
     if payload["world_size"] != world_size:
         notes.append(
             f"checkpoint was written by {payload['world_size']} ranks, this run has {world_size}: "
             "the data order (and each rank's RNG) from here on differs from the original run"
         )
-    saved = payload.get("config") or {}
+    rate_note = rate_change(saved, payload["world_size"], config, world_size)
+    if rate_note:
+        notes.append(rate_note)
     changed = [
         f"{key} {saved[key]!r} -> {config.get(key)!r}"
         for key in RESULT_SETTINGS
@@ -158,6 +162,39 @@ def resume_warnings(payload: dict[str, Any], config: dict[str, Any], world_size:
             "match an uninterrupted run"
         )
     return notes
+
+
+def rate_change(
+    saved: dict[str, Any], saved_world: int, config: dict[str, Any], world_size: int
+) -> str | None:
+    """`global batch 64 -> 128, peak lr 0.025 -> 0.05 (...)` when either changed."""
+    old_batch = global_batch_of(saved, saved_world)
+    new_batch = global_batch_of(config, world_size)
+    old_rate = saved.get("peak_lr", saved.get("lr"))  # before lr scaling, lr was used as given
+    new_rate = config.get("peak_lr")
+    if old_batch == new_batch and old_rate == new_rate:
+        return None
+    if config.get("lr_scaling") == "none":
+        rule = "--lr-scaling none: lr as given"
+    else:
+        rule = f"lr {config.get('lr')} per {config.get('lr_base_batch')} images, "
+        rule += f"{config.get('lr_scaling')} scaling"
+    return (
+        f"global batch {old_batch} -> {new_batch}, peak lr {shown_rate(old_rate)} -> "
+        f"{shown_rate(new_rate)} ({rule}): training continues at the new rate on the restored "
+        "schedule"
+    )
+
+
+def global_batch_of(config: dict[str, Any], world_size: int) -> int | str:
+    try:
+        return int(config["per_gpu_batch"]) * world_size * int(config.get("accumulate", 1))
+    except (KeyError, TypeError, ValueError):
+        return "?"
+
+
+def shown_rate(rate: Any) -> str:
+    return f"{rate:g}" if isinstance(rate, (int, float)) else "?"
 
 
 def check_resume_source(cfg: TrainConfig) -> None:

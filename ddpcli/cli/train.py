@@ -84,7 +84,27 @@ def train(
     accumulate: Annotated[
         int | None, train_option("accumulate", "Micro-batches per optimizer step.", MODEL)
     ] = None,
-    lr: Annotated[float | None, train_option("lr", "Peak learning rate.", MODEL)] = None,
+    lr: Annotated[
+        float | None,
+        train_option(
+            "lr",
+            "Peak learning rate for a global batch of --lr-base-batch images.",
+            MODEL,
+            default="0.1; 0.2 for smallcnn/tinycnn",
+        ),
+    ] = None,
+    lr_base_batch: Annotated[
+        int | None, train_option("lr_base_batch", "The global batch --lr is meant for.", MODEL)
+    ] = None,
+    lr_scaling: Annotated[
+        str | None,
+        train_option(
+            "lr_scaling",
+            "How --lr follows the global batch (per-gpu-batch x world x accumulate): linear "
+            "multiplies it by global/base, sqrt by the square root of that; none: --lr as given.",
+            MODEL,
+        ),
+    ] = None,
     momentum: Annotated[float | None, train_option("momentum", panel=MODEL)] = None,
     weight_decay: Annotated[float | None, train_option("weight_decay", panel=MODEL)] = None,
     warmup_epochs: Annotated[float | None, train_option("warmup_epochs", panel=MODEL)] = None,

@@ -7,6 +7,7 @@ fills every "auto" value from the machine, so `config.json` holds what really ra
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import sys
@@ -16,6 +17,7 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from ddpcli.archs import BUILTIN_ARCHS
 from ddpcli.config.common import (
     Backend,
     DatasetName,
@@ -36,6 +38,41 @@ else:  # pragma: no cover
 # is handed to PATH.rankN, one JSON line per batch. A debugging aid, and the evidence the
 # resume tests use that no sample is trained twice or missed (docs/checkpoints.md).
 TRACE_SAMPLES_VARIABLE = "DDPCLI_TRACE_SAMPLES"
+
+LrScaling = Literal["linear", "sqrt", "none"]
+
+# --lr's default, per 256 images: the ResNet-with-SGD reference rate for torchvision's
+# models; the built-in small nets (three BN conv layers) learn best at twice it, measured on
+# the synthetic set (docs/performance.md, "The default learning rate").
+REFERENCE_LR = 0.1
+BUILTIN_NET_LR = 0.2
+
+
+def default_lr(arch: str) -> float:
+    return BUILTIN_NET_LR if arch in BUILTIN_ARCHS else REFERENCE_LR
+
+
+def scaled_lr(lr: float, global_batch: int, base_batch: int, rule: LrScaling) -> float:
+    """The peak rate for a GLOBAL_BATCH when LR is the rate for BASE_BATCH images.
+
+    linear: LR x global/base, the rule of Goyal et al. (2017) that torchvision's and timm's
+    references follow (0.1 per 256 images for ResNets with SGD); sqrt: LR x the square root
+    of global/base, gentler for large batches and often used with adaptive optimizers;
+    none: LR as given, whatever the batch.
+    """
+    if rule == "none":
+        return lr
+    ratio = global_batch / base_batch
+    rate = lr * (ratio if rule == "linear" else math.sqrt(ratio))
+    return float(f"{rate:.12g}")  # 0.0375, not 0.037500000000000006, in config.json
+
+
+def describe_lr(lr: float, global_batch: int, base_batch: int, rule: LrScaling) -> str:
+    """`lr 0.1 per 256 images -> 0.025 at global batch 64 (linear)`: the rule and its result."""
+    if rule == "none":
+        return f"lr {lr:g} at global batch {global_batch} (as given: --lr-scaling none)"
+    peak = scaled_lr(lr, global_batch, base_batch, rule)
+    return f"lr {lr:g} per {base_batch} images -> {peak:g} at global batch {global_batch} ({rule})"
 
 
 class TrainConfig(BaseModel):
@@ -62,7 +99,9 @@ class TrainConfig(BaseModel):
     epochs: int = Field(5, ge=1)
     per_gpu_batch: int = Field(64, ge=1)
     accumulate: int = Field(1, ge=1)
-    lr: float = Field(0.1, gt=0)
+    lr: float | None = Field(None, gt=0)  # None: default_lr(arch), set once the arch is known
+    lr_base_batch: int = Field(256, ge=1)
+    lr_scaling: LrScaling = "linear"
     momentum: float = Field(0.9, ge=0, lt=1)
     weight_decay: float = Field(5e-4, ge=0)
     warmup_epochs: float = Field(1.0, ge=0)
@@ -99,6 +138,10 @@ class TrainConfig(BaseModel):
     log_every: int = Field(10, ge=1, description="steps between progress lines")
     # debugging: each rank appends the sample indices of every training batch to PATH.rankN
     trace_samples: Path | None = None
+    # Resolved, never given: --lr scaled to the global batch of the world that really runs
+    # (`ddpcli.resolve` for --dry-run, each worker from its process group), so that
+    # config.json holds the rate the optimizer used.
+    peak_lr: float | None = None
 
     @field_validator("init_method")
     @classmethod
@@ -118,6 +161,14 @@ class TrainConfig(BaseModel):
     @classmethod
     def _resume_value(cls, value: str | None) -> str | None:
         return None if value in (None, "", "none") else value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _lr_for_arch(cls, data: Any) -> Any:
+        """--lr's default depends on the model, so it is filled in with the arch."""
+        if isinstance(data, dict) and data.get("lr") is None and data.get("arch"):
+            return {**data, "lr": default_lr(data["arch"])}
+        return data
 
     @model_validator(mode="after")
     def _consistent(self) -> TrainConfig:
@@ -147,7 +198,20 @@ class TrainConfig(BaseModel):
 
     @property
     def global_batch(self) -> int:
-        return self.per_gpu_batch * self.world_size * self.accumulate
+        return self.global_batch_at(self.world_size)
+
+    def global_batch_at(self, world_size: int) -> int:
+        """Under torchrun the world comes from the launcher, not from --nproc/--gpus."""
+        return self.per_gpu_batch * world_size * self.accumulate
+
+    def peak_lr_at(self, world_size: int) -> float:
+        """--lr scaled by --lr-scaling to this run's global batch (see `scaled_lr`)."""
+        global_batch = self.global_batch_at(world_size)
+        return scaled_lr(self.resolved_lr, global_batch, self.lr_base_batch, self.lr_scaling)
+
+    def describe_lr_at(self, world_size: int) -> str:
+        global_batch = self.global_batch_at(world_size)
+        return describe_lr(self.resolved_lr, global_batch, self.lr_base_batch, self.lr_scaling)
 
     # Settings `ddpcli.resolve` fills in before any worker starts: None only until then.
     @property
@@ -168,6 +232,14 @@ class TrainConfig(BaseModel):
         if self.data_dir is None:
             raise RuntimeError(f"TrainConfig.data_dir read, but --dataset {self.dataset} has none")
         return self.data_dir
+
+    @property
+    def resolved_lr(self) -> float:
+        return _resolved(self.lr, "lr")
+
+    @property
+    def resolved_peak_lr(self) -> float:
+        return _resolved(self.peak_lr, "peak_lr")
 
 
 Value = TypeVar("Value")
@@ -201,6 +273,12 @@ def build_train_config(
     """Defaults < recipe < flags; flags left at None mean "not given"."""
     values = load_recipe(recipe) if recipe else {}
     values.update(given(flags))
+    if "peak_lr" in values:
+        where = f"recipe {recipe}" if recipe else "the flags"
+        raise usage_error(
+            f"{where}: peak_lr is not a setting; the run computes it from lr, lr_base_batch "
+            'and lr_scaling (set lr_scaling = "none" to use lr as given)'
+        )
     env = os.environ if environ is None else environ
     if env.get(TRACE_SAMPLES_VARIABLE):
         values.setdefault("trace_samples", Path(env[TRACE_SAMPLES_VARIABLE]))
