@@ -35,7 +35,7 @@ from ddpcli.config import TrainConfig
 from ddpcli.data.pipeline import DataPipeline
 from ddpcli.data.sets import SKIPPED_IMAGES_FILE
 from ddpcli.dist import DistContext, all_reduce_max, all_reduce_sum, barrier
-from ddpcli.errors import runtime_error
+from ddpcli.errors import DdpcliError, runtime_error
 from ddpcli.models import build_model
 from ddpcli.strategy import batch_split, model_devices, unwrap, wrap_model
 from ddpcli.timing import synced_clock, synchronize
@@ -100,8 +100,8 @@ class Trainer:
         self.model = build_parallel_model(cfg, ctx, data.splits.num_classes)
         self.forward_model = torch.compile(self.model) if cfg.compile else self.model
         self.optimizer = build_optimizer(cfg, self.model)
-        micro_steps = data.steps_per_epoch()
-        self.steps_per_epoch = math.ceil(micro_steps / cfg.accumulate)
+        self.micro_total = data.steps_per_epoch()  # micro-batches per epoch on each rank
+        self.steps_per_epoch = math.ceil(self.micro_total / cfg.accumulate)
         total = cfg.epochs * self.steps_per_epoch
         self.total_steps = min(total, cfg.max_steps) if cfg.max_steps else total
         warmup = round(cfg.warmup_epochs * self.steps_per_epoch)
@@ -114,19 +114,26 @@ class Trainer:
         self.first_step_pending = True
         self.writer = CheckpointWriter(cfg, ctx)
         self.out = cfg.resolved_out
+        self.saved_step: int | None = None  # the step of the newest checkpoint in --out
+        self.finite_step = 0  # the last step at which the loss was checked and finite
 
     # --- checkpoints
     def parts(self) -> TrainingParts:
         return TrainingParts(unwrap(self.model), self.optimizer, self.scheduler, self.scaler)
 
     def save_checkpoint(self, name: str, is_best: bool) -> None:
+        """Callers check the weights first (check_weights): last.pt must stay a good one."""
         num_classes = self.data.splits.num_classes
         payload = training_payload(self.parts(), self.state, self.cfg, self.ctx, num_classes)
         self.writer.save(payload, name, is_best=is_best)
+        self.saved_step = self.state.step
 
     def resume(self, path: Path) -> None:
         payload = load_training_checkpoint(path, map_location=self.ctx.device)
         self.state = restore_training(payload, self.parts(), self.ctx, path)
+        self.finite_step = self.state.step
+        if path.resolve() == (self.writer.directory / "last.pt").resolve():
+            self.saved_step = self.state.step
         if self.ctx.is_main:
             config = json.loads(self.cfg.model_dump_json())
             for warning in resume_warnings(payload, config, self.ctx.world_size):
@@ -307,13 +314,52 @@ class Trainer:
             progress.update(state.batch_in_epoch, loss, acc, timer.running_rate(self.ctx))
         if cfg.save_every_steps and state.step % cfg.save_every_steps == 0 and not last_micro:
             state.partial_sums = all_reduce_sum(sums.clone(), self.ctx).tolist()
+            self.check_finite("the training loss", state.partial_sums[0])
+            self.check_weights()
             self.save_checkpoint(f"step-{state.step:08d}.pt", is_best=False)
             state.partial_sums = None
 
     def reduce_means(self, sums: torch.Tensor) -> tuple[float, float]:
+        """The epoch's mean training loss and accuracy so far, over all ranks. Every rank
+        gets the same sums, so a non-finite loss stops every rank at the same step."""
         total = all_reduce_sum(sums.clone(), self.ctx).tolist()
         count = max(total[2], 1.0)
+        self.check_finite("the training loss", total[0])
         return total[0] / count, total[1] / count
+
+    # --- non-finite values: stop before they reach a checkpoint
+    def check_finite(self, what: str, value: float) -> None:
+        if not math.isfinite(value):
+            raise self.non_finite_stop(f"{what} is {value}")
+        self.finite_step = self.state.step
+
+    def check_weights(self) -> None:
+        """Before a save. The losses checked so far came before the last update, which may
+        still have made the weights non-finite. One small all_reduce per save, so that
+        every rank stops (or not) together."""
+        tensors = [t for t in unwrap(self.model).state_dict().values() if t.is_floating_point()]
+        finite = torch.stack([t.isfinite().all() for t in tensors]).all() if tensors else True
+        flag = torch.tensor([0.0 if finite else 1.0], device=self.ctx.device)
+        if all_reduce_max(flag, self.ctx).item() != 0:
+            raise self.non_finite_stop("a weight is not finite")
+
+    def non_finite_stop(self, finding: str) -> DdpcliError:
+        """Exit 1 naming the step; last.pt and best.pt stay at the last good save."""
+        state, cfg = self.state, self.cfg
+        when = f"at step {state.step}"
+        if self.finite_step < state.step - 1:  # seen at a logging interval, not at once
+            when = f"between step {self.finite_step} and step {state.step}"
+        where = f"epoch {state.epoch + 1}, batch {state.batch_in_epoch} of {self.micro_total}"
+        if self.saved_step is None:
+            kept = "no checkpoint had been saved yet"
+        else:
+            kept = f"checkpoints/last.pt and best.pt are kept as they were (step {self.saved_step})"
+        hint = f"a lower --lr (this run: {cfg.lr:g})"
+        if cfg.precision in ("fp16", "bf16"):
+            hint += f" or full precision (--precision fp32; this run: {cfg.precision})"
+        return runtime_error(
+            f"{finding} {when} ({where}): training stopped; {kept}. Start again with {hint}"
+        )
 
     @torch.no_grad()
     def validate(self) -> tuple[float, float, int]:
@@ -331,10 +377,13 @@ class Trainer:
             sums[2] += len(labels)
         model.train()
         total = all_reduce_sum(sums, self.ctx).tolist()
+        if not math.isfinite(total[0]):
+            raise self.non_finite_stop(f"the validation loss is {total[0]}")
         count = max(total[2], 1.0)
         return total[0] / count, total[1] / count, int(total[2])
 
     def finish_epoch(self, metrics: dict[str, Any]) -> None:
+        self.check_weights()
         state = self.state
         state.history.append(metrics)
         is_best = metrics["val_acc"] > state.best_val_acc
@@ -343,7 +392,7 @@ class Trainer:
         state.batch_in_epoch = 0
         if self.ctx.is_main:
             with open(self.out / "metrics.jsonl", "a") as handle:
-                handle.write(json.dumps(metrics) + "\n")
+                handle.write(ui.json_text(metrics) + "\n")
             ui.epoch_line(metrics, self.cfg.epochs)
         self.save_checkpoint(f"epoch-{state.epoch:04d}.pt", is_best=is_best)
         barrier(self.ctx)

@@ -1,0 +1,121 @@
+"""Nothing lost, nothing silently wrong in the loop (issue 19): a non-finite loss stops the
+run and keeps the last good checkpoint, and every JSON file ddpcli writes is valid JSON.
+Real Gloo processes on tiny images, each run bounded."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import run_cli
+
+from ddpcli import ui
+from ddpcli.checkpoint.loading import safe_load
+from ddpcli.files import atomic_save, file_sha256, link_or_copy_atomic
+
+TINY = ["--cpu", "--arch", "tinycnn", "--image-size", "16", "--per-gpu-batch", "32"]
+
+
+def strict_json(text: str):
+    """json.loads as strict readers (jq, JavaScript) parse: NaN and Infinity are errors."""
+
+    def refuse(constant: str):
+        raise ValueError(f"not JSON: {constant}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def strict_lines(path: Path) -> list[dict]:
+    return [strict_json(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+# --- Valid JSON, always ----------------------------------------------------------------------
+
+
+def test_json_text_writes_null_for_non_finite_floats():
+    document = {"loss": math.nan, "rates": [1.5, math.inf, (-math.inf, 2)], "path": Path("/x")}
+    text = ui.json_text(document)
+    assert strict_json(text) == {"loss": None, "rates": [1.5, None, [None, 2]], "path": "/x"}
+
+
+# --- A non-finite loss stops the run ---------------------------------------------------------
+
+NON_FINITE = re.compile(r"the training loss is (nan|inf|-inf) (at|between) step (\d+)")
+
+
+def test_a_nan_loss_stops_the_run_within_one_logging_interval(tmp_path):
+    out = tmp_path / "run"
+    result = run_cli(
+        "train", *TINY, "--nproc", "2", "--synthetic-size", "512", "--epochs", "2",
+        "--lr", "1e9", "--log-every", "1", "--out", str(out), "--json", timeout=180,
+    )  # fmt: skip
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert result.stdout == ""  # no summary of a failed run, and never a bare NaN
+    found = NON_FINITE.search(result.stderr)
+    assert found and found.group(2) == "at", result.stderr[-3000:]  # --log-every 1: that step
+    assert "lower --lr (this run: 1e+09)" in result.stderr
+    assert "no checkpoint had been saved yet" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert strict_lines(out / "metrics.jsonl") == []  # no epoch of NaN recorded
+    assert not (out / "checkpoints").exists() and not (out / "summary.json").exists()
+
+
+def diverging_checkpoint(path: Path) -> None:
+    """Rewrite a good checkpoint (and best.pt, its link) so that its next steps run at a
+    learning rate of 1e9: the same run, diverging after a good epoch."""
+    payload = safe_load(path)
+    for group in payload["optimizer"]["param_groups"]:
+        group["lr"] = group["initial_lr"] = 1e9
+    payload["scheduler"]["base_lrs"] = [1e9] * len(payload["scheduler"]["base_lrs"])
+    atomic_save(payload, path)
+    link_or_copy_atomic(path, path.with_name("best.pt"))
+
+
+def test_a_nan_loss_keeps_the_last_good_checkpoint(tmp_path):
+    out = tmp_path / "run"
+    common = [*TINY, "--nproc", "2", "--synthetic-size", "256", "--keep-last", "0"]
+    first = run_cli("train", *common, "--epochs", "1", "--out", str(out), timeout=180)
+    assert first.returncode == 0, first.stderr[-3000:]
+    checkpoints = out / "checkpoints"
+    diverging_checkpoint(checkpoints / "last.pt")
+    before = {name: file_sha256(checkpoints / name) for name in ("last.pt", "best.pt")}
+    good_epoch = (out / "metrics.jsonl").read_text()
+
+    result = run_cli(
+        "train", *common, "--epochs", "3", "--resume", "auto", "--log-every", "100",
+        "--out", str(out), timeout=180,
+    )  # fmt: skip
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert NON_FINITE.search(result.stderr) or "validation loss is" in result.stderr, result.stderr[
+        -3000:
+    ]
+    assert "epoch 2, batch" in result.stderr  # stopped inside the epoch that diverged
+    assert "last.pt and best.pt are kept as they were (step 4)" in result.stderr
+    assert {name: file_sha256(checkpoints / name) for name in before} == before
+    assert (out / "metrics.jsonl").read_text() == good_epoch  # valid JSON, no NaN epoch
+    verify = run_cli("checkpoint", "verify", str(checkpoints / "last.pt"), timeout=60)
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_non_finite_weights_are_never_saved(tmp_path, bad):
+    from test_speed_paths import context, pipeline, tiny_config
+
+    from ddpcli.errors import DdpcliError
+    from ddpcli.train import Trainer
+    from ddpcli.worker import finalize_for_device
+
+    ctx = context()
+    cfg = finalize_for_device(tiny_config(tmp_path, synthetic_size=32), ctx)
+    trainer = Trainer(cfg, ctx, pipeline(cfg, ctx, True))
+    trainer.check_weights()  # finite: nothing to say
+    with torch.no_grad():
+        next(trainer.model.parameters())[0].fill_(bad)
+    with pytest.raises(DdpcliError) as stopped:
+        trainer.check_weights()
+    assert stopped.value.exit_code == 1
+    assert "a weight is not finite at step 0" in stopped.value.message
