@@ -102,6 +102,9 @@ class Trainer:
         self.optimizer = build_optimizer(cfg, self.model)
         self.micro_total = data.steps_per_epoch()  # micro-batches per epoch on each rank
         self.steps_per_epoch = math.ceil(self.micro_total / cfg.accumulate)
+        # What one optimizer step really holds: an epoch shorter than --accumulate caps it.
+        self.accumulate = min(cfg.accumulate, self.micro_total)
+        self.global_batch = cfg.per_gpu_batch * ctx.world_size * self.accumulate
         total = cfg.epochs * self.steps_per_epoch
         self.total_steps = min(total, cfg.max_steps) if cfg.max_steps else total
         warmup = round(cfg.warmup_epochs * self.steps_per_epoch)
@@ -188,8 +191,10 @@ class Trainer:
         ui.info(
             f"world size {self.ctx.world_size} ({self.ctx.backend}, {self.ctx.device.type}) · "
             f"per-process batch {cfg.per_gpu_batch} × world {self.ctx.world_size} × "
-            f"accumulate {cfg.accumulate} = global batch {cfg.global_batch}"
+            f"accumulate {self.accumulate} = global batch {self.global_batch}"
         )
+        if note := self.accumulation_note():
+            ui.warn(note)
         ui.info(
             f"{cfg.arch} on {cfg.dataset} at {cfg.image_size} px · {self.data.describe_sizes()} · "
             f"{self.steps_per_epoch} steps per epoch · precision {cfg.precision} · out {cfg.out}"
@@ -206,6 +211,29 @@ class Trainer:
                 f"in {self.out / SKIPPED_IMAGES_FILE}"
             )
 
+    def accumulation_note(self) -> str:
+        """Where the optimizer steps hold fewer micro-batches than --accumulate says."""
+        accumulate, micro = self.cfg.accumulate, self.micro_total
+        if accumulate > micro:
+            return (
+                f"--accumulate {accumulate}, but an epoch has only {micro} micro-batch(es) per "
+                f"rank: each optimizer step accumulates {micro} (global batch "
+                f"{self.global_batch}, not {self.cfg.global_batch})"
+            )
+        if micro % accumulate:
+            return (
+                f"{micro} micro-batches per epoch is not a multiple of --accumulate {accumulate}: "
+                f"each epoch's last optimizer step accumulates {micro % accumulate}"
+            )
+        return ""
+
+    def micro_batches_in_step(self, batch_in_epoch: int) -> int:
+        """The micro-batches the optimizer step holding micro-batch `batch_in_epoch`
+        (1-based) accumulates: --accumulate, or what is left of the epoch. The loss is
+        divided by it, so every step averages its gradients whatever its length."""
+        step_start = (batch_in_epoch - 1) // self.cfg.accumulate * self.cfg.accumulate
+        return min(self.cfg.accumulate, self.micro_total - step_start)
+
     def split_note(self) -> str:
         cfg = self.cfg
         if cfg.strategy == "ddp":
@@ -213,8 +241,8 @@ class Trainer:
         gpus = len(model_devices(self.model, self.ctx))
         shares = batch_split(cfg.strategy, cfg.per_gpu_batch, gpus, cfg.gpu0_batch)
         note = f" · each batch of {cfg.per_gpu_batch} split {'+'.join(map(str, shares))}"
-        if cfg.accumulate > 1:
-            per_step = "+".join(str(share * cfg.accumulate) for share in shares)
+        if self.accumulate > 1:
+            per_step = "+".join(str(share * self.accumulate) for share in shares)
             note += f" ({per_step} per optimizer step)"
         return note + f" over {gpus} GPUs"
 
@@ -234,7 +262,8 @@ class Trainer:
             state.batch_in_epoch += 1
             last_micro = state.batch_in_epoch == micro_total
             steps_now = state.batch_in_epoch % cfg.accumulate == 0 or last_micro
-            self.train_micro_step(images, labels, sums, steps_now)
+            accumulated = self.micro_batches_in_step(state.batch_in_epoch)
+            self.train_micro_step(images, labels, sums, steps_now, accumulated)
             timer.tick(len(labels))
             if steps_now:
                 state.step += 1
@@ -256,7 +285,7 @@ class Trainer:
             "val_samples": val_samples,
             "images_per_sec": images_per_sec,
             "lr": self.scheduler.get_last_lr()[0],
-            "global_batch": cfg.global_batch,
+            "global_batch": self.global_batch,
             "world_size": ctx.world_size,
             **self.memory_metrics(),
             **({"first_step_at": first_step_at} if first_step_at else {}),
@@ -284,13 +313,18 @@ class Trainer:
         return contextlib.nullcontext()
 
     def train_micro_step(
-        self, images: torch.Tensor, labels: torch.Tensor, sums: torch.Tensor, steps_now: bool
+        self,
+        images: torch.Tensor,
+        labels: torch.Tensor,
+        sums: torch.Tensor,
+        steps_now: bool,
+        accumulated: int,
     ) -> None:
         with self.gradient_sync(steps_now):
             with autocast_context(self.cfg, self.ctx):
                 logits = self.forward_model(images)
                 loss = self.loss_fn(logits, labels)
-            self.scaler.scale(loss / self.cfg.accumulate).backward()
+            self.scaler.scale(loss / accumulated).backward()
         with torch.no_grad():
             sums[0] += loss.detach().double() * len(labels)
             sums[1] += (logits.argmax(1) == labels).sum()

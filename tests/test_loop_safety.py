@@ -119,3 +119,76 @@ def test_non_finite_weights_are_never_saved(tmp_path, bad):
         trainer.check_weights()
     assert stopped.value.exit_code == 1
     assert "a weight is not finite at step 0" in stopped.value.message
+
+
+# --- Accumulation: what a step really holds ----------------------------------------------
+
+
+def in_process_trainer(tmp_path: Path, **overrides):
+    """One CPU rank without a process group: the Trainer exactly as a worker builds it."""
+    from test_speed_paths import context, pipeline, tiny_config
+
+    from ddpcli.train import Trainer
+    from ddpcli.worker import finalize_for_device
+
+    ctx = context()
+    cfg = finalize_for_device(tiny_config(tmp_path, **overrides), ctx)
+    return Trainer(cfg, ctx, pipeline(cfg, ctx, True))
+
+
+@pytest.mark.parametrize(
+    ("accumulate", "per_step", "global_batch", "note"),
+    [
+        (1, [1, 1, 1], 8, ""),
+        (2, [2, 2, 1], 16, "each epoch's last optimizer step accumulates 1"),
+        (5, [3, 3, 3], 24, "only 3 micro-batch(es) per rank: each optimizer step accumulates 3"),
+    ],
+)
+def test_each_step_divides_by_the_micro_batches_it_holds(
+    tmp_path, accumulate, per_step, global_batch, note
+):
+    # 24 images in batches of 8: three micro-batches per epoch.
+    trainer = in_process_trainer(tmp_path, synthetic_size=24, accumulate=accumulate)
+    assert trainer.micro_total == 3
+    assert [trainer.micro_batches_in_step(batch) for batch in (1, 2, 3)] == per_step
+    assert trainer.global_batch == global_batch
+    assert note in trainer.accumulation_note() and bool(note) == bool(trainer.accumulation_note())
+
+
+def test_accumulate_beyond_the_epoch_trains_as_the_micro_batches_there(tmp_path):
+    """128 images, 2 ranks, batches of 32: two micro-batches per epoch. --accumulate 100
+    must train exactly as --accumulate 2 (today its updates are 50 times too small) and
+    report the global batch of 128 that each step really holds."""
+    runs, warnings = {}, {}
+    for accumulate in ("100", "2"):
+        out = tmp_path / f"accumulate-{accumulate}"
+        result = run_cli(
+            "train", *TINY, "--nproc", "2", "--synthetic-size", "128", "--epochs", "2",
+            "--accumulate", accumulate, "--out", str(out), "--json", timeout=180,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr[-3000:]
+        runs[accumulate] = (strict_json(result.stdout), strict_lines(out / "metrics.jsonl"))
+        warnings[accumulate] = result.stderr
+        assert "accumulate 2 = global batch 128" in result.stderr
+    assert "each optimizer step accumulates 2 (global batch 128, not 6400)" in warnings["100"]
+    assert "warning" not in warnings["2"]
+    (summary, metrics), (_, reference) = runs["100"], runs["2"]
+    assert summary["global_batch"] == 128 and [m["step"] for m in metrics] == [1, 2]
+    for got, want in zip(metrics, reference, strict=True):
+        assert got["global_batch"] == want["global_batch"] == 128
+        for key in ("train_loss", "val_loss", "val_acc", "lr"):
+            assert got[key] == pytest.approx(want[key], rel=1e-9, abs=1e-12), key
+
+
+def test_a_per_process_batch_larger_than_a_shard_exits_2(tmp_path):
+    out = tmp_path / "run"
+    result = run_cli(
+        "train", *TINY, "--nproc", "2", "--synthetic-size", "4096", "--epochs", "1",
+        "--per-gpu-batch", "100000", "--out", str(out), timeout=180,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "invalid --per-gpu-batch" in result.stderr  # ddpcli.data.pipeline says why
+    assert "give each 2048, less than one batch of 100000" in result.stderr
+    assert "--per-gpu-batch to 2048 or less" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (out / "metrics.jsonl").exists()
