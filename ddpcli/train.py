@@ -105,8 +105,9 @@ class Trainer:
         # What one optimizer step really holds: an epoch shorter than --accumulate caps it.
         self.accumulate = min(cfg.accumulate, self.micro_total)
         self.global_batch = cfg.per_gpu_batch * ctx.world_size * self.accumulate
-        total = cfg.epochs * self.steps_per_epoch
-        self.total_steps = min(total, cfg.max_steps) if cfg.max_steps else total
+        # The schedule spans --epochs; --max-steps only stops the run early, at a point a
+        # later --resume continues from exactly as if it had never stopped.
+        self.total_steps = cfg.epochs * self.steps_per_epoch
         warmup = round(cfg.warmup_epochs * self.steps_per_epoch)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, warmup_cosine(self.total_steps, min(warmup, self.total_steps // 2))
@@ -153,15 +154,38 @@ class Trainer:
             self.resume(resume_path)
         elif self.cfg.resume == "auto" and self.ctx.is_main:
             ui.info("--resume auto: no checkpoints/last.pt in the output folder; starting fresh")
+        last = self.state.history[-1] if self.state.history else {}
+        if not self.work_left():
+            return last
         if self.ctx.is_main:  # each epoch once, even if the interrupted run wrote one more
             write_metrics_history(self.out / "metrics.jsonl", self.state.history)
         self.announce()
         progress = ui.TrainProgress(self.ctx.is_main, self.cfg.epochs, self.data.steps_per_epoch())
         with progress:
             while self.state.epoch < self.cfg.epochs and not self.reached_max_steps():
-                metrics = self.run_epoch(progress)
-                self.finish_epoch(metrics)
-        return self.state.history[-1] if self.state.history else {}
+                last = self.run_epoch(progress)
+                if self.state.batch_in_epoch < self.micro_total:
+                    self.stop_inside_epoch(last)
+                else:
+                    self.finish_epoch(last)
+        return last
+
+    def work_left(self) -> bool:
+        """False, said on rank 0, when a resume finds the work done: not a silent exit 0,
+        and its outputs (metrics.jsonl too) stay as they are."""
+        state, cfg = self.state, self.cfg
+        if state.epoch >= cfg.epochs:
+            reason = f"all {cfg.epochs} epochs are done; raise --epochs to train more"
+        elif self.reached_max_steps():
+            reason = (
+                f"--max-steps {cfg.max_steps} is reached (step {state.step}, inside epoch "
+                f"{state.epoch + 1}); raise or drop --max-steps to go on"
+            )
+        else:
+            return True
+        if self.ctx.is_main:
+            ui.warn(f"nothing to train: {reason}")
+        return False
 
     def agreed_resume_path(self) -> Path | None:
         """Every rank must resume from the same place. With `--resume auto` and an `--out`
@@ -272,7 +296,10 @@ class Trainer:
                 self.after_optimizer_step(sums, progress, timer, last_micro)
                 if self.reached_max_steps():
                     break
-        train_loss, train_acc = self.reduce_means(sums)
+        totals = self.reduce_sums(sums)
+        if state.batch_in_epoch < micro_total:  # stopped inside: what a resume adds to
+            state.partial_sums = totals
+        train_loss, train_acc = means(totals)
         images_per_sec = timer.images_per_sec(ctx)
         val_loss, val_acc, val_samples = self.validate()
         return {
@@ -346,20 +373,23 @@ class Trainer:
         if state.step % cfg.log_every == 0 or last_micro:
             loss, acc = self.reduce_means(sums)
             progress.update(state.batch_in_epoch, loss, acc, timer.running_rate(self.ctx))
-        if cfg.save_every_steps and state.step % cfg.save_every_steps == 0 and not last_micro:
-            state.partial_sums = all_reduce_sum(sums.clone(), self.ctx).tolist()
-            self.check_finite("the training loss", state.partial_sums[0])
+        saves_now = cfg.save_every_steps and state.step % cfg.save_every_steps == 0
+        # At the epoch's end, or at --max-steps, the run saves anyway.
+        if saves_now and not last_micro and not self.reached_max_steps():
+            state.partial_sums = self.reduce_sums(sums)
             self.check_weights()
             self.save_checkpoint(f"step-{state.step:08d}.pt", is_best=False)
             state.partial_sums = None
 
     def reduce_means(self, sums: torch.Tensor) -> tuple[float, float]:
-        """The epoch's mean training loss and accuracy so far, over all ranks. Every rank
-        gets the same sums, so a non-finite loss stops every rank at the same step."""
+        return means(self.reduce_sums(sums))
+
+    def reduce_sums(self, sums: torch.Tensor) -> list[float]:
+        """The epoch's [loss sum, correct, count] so far, over all ranks. Every rank gets
+        the same sums, so a non-finite loss stops every rank at the same step."""
         total = all_reduce_sum(sums.clone(), self.ctx).tolist()
-        count = max(total[2], 1.0)
         self.check_finite("the training loss", total[0])
-        return total[0] / count, total[1] / count
+        return total
 
     # --- non-finite values: stop before they reach a checkpoint
     def check_finite(self, what: str, value: float) -> None:
@@ -430,6 +460,34 @@ class Trainer:
             ui.epoch_line(metrics, self.cfg.epochs)
         self.save_checkpoint(f"epoch-{state.epoch:04d}.pt", is_best=is_best)
         barrier(self.ctx)
+
+    def stop_inside_epoch(self, metrics: dict[str, Any]) -> None:
+        """--max-steps stopped the run inside an epoch. Its checkpoint holds the epoch, the
+        batches done and the partial sums (as a --save-every-steps one does), so a resume
+        finishes the epoch exactly; the metrics of the part trained are marked partial and
+        stay out of the history, so the resume's rewrite of metrics.jsonl replaces them."""
+        self.check_weights()
+        state = self.state
+        metrics.update(partial=True, batch_in_epoch=state.batch_in_epoch)
+        is_best = metrics["val_acc"] > state.best_val_acc
+        state.best_val_acc = max(state.best_val_acc, metrics["val_acc"])
+        if self.ctx.is_main:
+            with open(self.out / "metrics.jsonl", "a") as handle:
+                handle.write(ui.json_text(metrics) + "\n")
+            ui.info(
+                f"epoch {metrics['epoch']}/{self.cfg.epochs}, stopped by --max-steps "
+                f"{self.cfg.max_steps} after batch {state.batch_in_epoch} of {self.micro_total} · "
+                f"{ui.format_metrics(metrics)}; --out {self.out} --resume auto with --max-steps "
+                "raised or dropped finishes it"
+            )
+        self.save_checkpoint(f"step-{state.step:08d}.pt", is_best=is_best)
+        state.partial_sums = None
+
+
+def means(totals: list[float]) -> tuple[float, float]:
+    """Mean loss and accuracy from global [loss sum, correct, count]."""
+    count = max(totals[2], 1.0)
+    return totals[0] / count, totals[1] / count
 
 
 def per_rank(value: float, ctx: DistContext) -> list[float]:

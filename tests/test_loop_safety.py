@@ -192,3 +192,54 @@ def test_a_per_process_batch_larger_than_a_shard_exits_2(tmp_path):
     assert "--per-gpu-batch to 2048 or less" in result.stderr
     assert "Traceback" not in result.stderr
     assert not (out / "metrics.jsonl").exists()
+
+
+# --- A stop by --max-steps inside an epoch -------------------------------------------------
+
+# 128 images over 2 ranks in batches of 32: two optimizer steps per epoch.
+TWO_STEP_EPOCHS = [*TINY, "--nproc", "2", "--synthetic-size", "128", "--epochs", "2"]
+COMPARED = ("train_loss", "train_acc", "val_loss", "val_acc", "lr")
+
+
+def train_two_step_epochs(out: Path, *extra: str):
+    result = run_cli("train", *TWO_STEP_EPOCHS, "--out", str(out), *extra, timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def test_a_max_steps_stop_inside_an_epoch_is_finished_exactly_by_a_resume(tmp_path):
+    reference, out = tmp_path / "reference", tmp_path / "run"
+    train_two_step_epochs(reference)
+    stopped = train_two_step_epochs(out, "--max-steps", "3")  # one step into epoch 2
+    assert "epoch 2/2, stopped by --max-steps 3 after batch 1 of 2" in stopped.stderr
+    metrics = strict_lines(out / "metrics.jsonl")
+    assert [(m["epoch"], m["step"], m.get("partial")) for m in metrics] == [
+        (1, 2, None),
+        (2, 3, True),
+    ]
+    payload = safe_load(out / "checkpoints" / "last.pt", check_digest=True)
+    # Recorded as a partial epoch, as a --save-every-steps checkpoint inside it would be.
+    assert (payload["epoch"], payload["batch_in_epoch"], payload["step"]) == (1, 1, 3)
+    assert payload["partial_sums"][2] == 64 and len(payload["metrics"]) == 1
+
+    again = train_two_step_epochs(out, "--max-steps", "3", "--resume", "auto")
+    assert "nothing to train: --max-steps 3 is reached (step 3, inside epoch 2)" in again.stderr
+    assert strict_lines(out / "metrics.jsonl") == metrics  # left as it was
+
+    resumed = train_two_step_epochs(out, "--max-steps", "4", "--resume", "auto")  # raised
+    assert "at epoch 2, batch 1 (step 3)" in resumed.stderr
+    assert "warning" not in resumed.stderr  # --max-steps changes where a run stops, no more
+    finished = strict_lines(out / "metrics.jsonl")
+    wanted = strict_lines(reference / "metrics.jsonl")
+    assert [(m["epoch"], m["step"], m.get("partial")) for m in finished] == [
+        (1, 2, None),
+        (2, 4, None),
+    ]
+    for got, want in zip(finished, wanted, strict=True):
+        for key in COMPARED:
+            assert got[key] == pytest.approx(want[key], rel=1e-6, abs=1e-12), (got["epoch"], key)
+    final = safe_load(out / "checkpoints" / "last.pt", check_digest=True)
+    uninterrupted = safe_load(reference / "checkpoints" / "last.pt")
+    assert (final["epoch"], final["batch_in_epoch"], final["step"]) == (2, 0, 4)
+    for key, tensor in final["model"].items():
+        assert torch.allclose(tensor, uninterrupted["model"][key], rtol=1e-5, atol=1e-7), key
