@@ -22,7 +22,14 @@ from ddpcli.environments import read_launcher_env
 from ddpcli.errors import USAGE, DdpcliError, first_line, runtime_error, usage_error
 from ddpcli.machine import cpu_count
 from ddpcli.process import freeze_imported_objects
-from ddpcli.rollcall import MasterUnreachable, NodeZeroGaveUp, RollCall, open_store
+from ddpcli.rollcall import (
+    MasterUnreachable,
+    NodeZeroGaveUp,
+    RollCall,
+    describe_values,
+    disagreements,
+    open_store,
+)
 
 if TYPE_CHECKING:  # torch is imported where a launch needs it, not with this module
     from torch.distributed import Store
@@ -79,6 +86,8 @@ class WorkerJob:
     max_restarts: int = 0
     env: dict[str, str] = field(default_factory=dict)
     log_dir: str | None = None
+    # What every node must agree on ({flag: value as text}), compared at the roll call.
+    settings: dict[str, str] = field(default_factory=dict)
 
     @property
     def agent_port(self) -> int:
@@ -190,7 +199,7 @@ def roll_call(job: WorkerJob) -> Store:
         ) from None
     roll = RollCall(store, ROLL_PREFIX, job.nnodes, job.node_rank)
     try:
-        roll.answer(socket.gethostname())
+        roll.answer(json.dumps({"host": socket.gethostname(), "settings": job.settings}))
         # The others joined after node 0 started waiting: its verdict comes before their deadline.
         present = roll.wait(job.timeout_s + (0 if job.node_rank == 0 else 30))
         if len(present) < job.nnodes:
@@ -198,6 +207,7 @@ def roll_call(job: WorkerJob) -> Store:
             if job.node_rank == 0:
                 roll.post_verdict(verdict, present)
             raise runtime_error(verdict)
+        check_same_settings(roll, job.node_rank)
     except NodeZeroGaveUp as verdict:
         raise runtime_error(f"node {job.node_rank}: node 0 gave up: {verdict}") from None
     except RuntimeError as error:  # DistNetworkError: node 0 went away without a word
@@ -206,6 +216,56 @@ def roll_call(job: WorkerJob) -> Store:
             f"({first_line(error)}); node 0 most likely stopped: see its output"
         ) from None
     return store
+
+
+def check_same_settings(roll: RollCall, node_rank: int) -> None:
+    """Every node has answered with its settings: every node compares them all and, when
+    they differ, stops within seconds naming each one (node 0 after the others have read
+    the answers, since it closes the store). Left alone, such nodes wait out --timeout in
+    a rendezvous or a collective that never completes, and blame the network."""
+    answers = {rank: json.loads(text) for rank, text in roll.answers().items()}
+    differing = disagreements(
+        {f"node {rank} ({answer['host']})": answer["settings"] for rank, answer in answers.items()}
+    )
+    if not differing:
+        return
+    lines = [
+        f"  {SETTING_LABELS.get(name, '--' + name.replace('_', '-'))}: {describe_values(values)}"
+        for name, values in differing.items()
+    ]
+    verdict = "\n".join(
+        [
+            "the nodes were started with different settings:",
+            *lines,
+            "start the same command on every node: only --node-rank, and each node's own paths, "
+            "GPUs, interface and --timeout, may differ",
+        ]
+    )
+    if node_rank == 0:
+        roll.post_verdict(verdict, list(answers))
+    else:
+        roll.acknowledge()
+    raise runtime_error(verdict)
+
+
+# Settings each node may give its own way: its files, its devices and network interface,
+# how it reaches node 0, how long it waits. Everything else in the resolved configuration
+# changes the job (its world, its arithmetic, when its ranks meet) and must agree.
+PER_NODE_SETTINGS = frozenset({
+    "node_rank", "gpus", "data_dir", "data_path", "workers", "download", "out", "resume",
+    "log_dir", "trace_samples", "ifname", "master_addr", "master_port", "init_method", "timeout",
+})  # fmt: skip
+SETTING_LABELS = {"nproc_per_node": "processes per node (--nproc, or the GPUs listed)"}
+
+
+def settings_every_node_shares(cfg: TrainConfig) -> dict[str, str]:
+    document = cfg.model_dump(mode="json")
+    document["nproc_per_node"] = cfg.nproc_per_node
+    return {
+        name: value if isinstance(value, str) else "unset" if value is None else json.dumps(value)
+        for name, value in document.items()
+        if name not in PER_NODE_SETTINGS
+    }
 
 
 def missing_nodes(job: WorkerJob, present: list[int], address: str) -> str:
@@ -241,6 +301,7 @@ def _launch_elastic(cfg: TrainConfig, debug: bool) -> dict[str, Any]:
         max_restarts=cfg.max_restarts,
         env={**train_environment(cfg), **({"DDPCLI_DEBUG": "1"} if debug else {})},
         log_dir=str(cfg.log_dir) if cfg.log_dir else None,
+        settings=settings_every_node_shares(cfg),
     )
     try:
         run_workers(job, debug)

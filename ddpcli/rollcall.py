@@ -105,12 +105,17 @@ class RollCall:
         deadline = time.monotonic() + timeout_s
         while True:
             if self.node_rank != 0 and self.store.check([self.verdict_key]):
-                self.store.set(f"{self.prefix}ack/{self.node_rank}", "read")
+                self.acknowledge()
                 raise NodeZeroGaveUp(self.store.get(self.verdict_key).decode())
             present = self.answered()
             if len(present) == self.nnodes or time.monotonic() > deadline:
                 return present
             time.sleep(ROLL_POLL_S)
+
+    def acknowledge(self) -> None:
+        """Tell node 0, which waits for it before closing the store, that this node has
+        read what it needs and goes its own way."""
+        self.store.set(f"{self.prefix}ack/{self.node_rank}", "read")
 
     def post_verdict(self, verdict: str, present: list[int]) -> None:
         """Node 0 says why it gives up before it closes the store, so the nodes that came
@@ -122,3 +127,32 @@ class RollCall:
         while waiting and time.monotonic() < deadline:
             time.sleep(0.1)
             waiting = [key for key in waiting if not self.store.check([key])]
+
+
+# --- Comparing what the nodes said ---------------------------------------------------------
+
+
+def group_labels(by_origin: dict[str, str]) -> dict[str, list[str]]:
+    """{who: value} -> {value: [who, ...]}, in the order the values first appear."""
+    grouped: dict[str, list[str]] = {}
+    for origin, value in by_origin.items():
+        grouped.setdefault(value, []).append(origin)
+    return grouped
+
+
+def describe_values(values: dict[str, list[str]]) -> str:
+    return "; ".join(f"{value} on {', '.join(origins)}" for value, origins in values.items())
+
+
+def disagreements(by_origin: dict[str, dict[str, str]]) -> dict[str, dict[str, list[str]]]:
+    """{who: {name: value}} -> {name: {value: [who, ...]}} for every name whose value is not
+    the same everywhere (a name some lack counts as "unset" there)."""
+    names = sorted({name for values in by_origin.values() for name in values})
+    found = {}
+    for name in names:
+        grouped = group_labels(
+            {origin: values.get(name, "unset") for origin, values in by_origin.items()}
+        )
+        if len(grouped) > 1:
+            found[name] = grouped
+    return found

@@ -35,7 +35,7 @@ from ddpcli.config import TrainConfig
 from ddpcli.data.pipeline import DataPipeline
 from ddpcli.data.sets import SKIPPED_IMAGES_FILE
 from ddpcli.dist import DistContext, all_reduce_max, all_reduce_sum, barrier
-from ddpcli.errors import runtime_error
+from ddpcli.errors import DdpcliError, runtime_error
 from ddpcli.models import build_model
 from ddpcli.strategy import batch_split, model_devices, unwrap, wrap_model
 from ddpcli.timing import synced_clock, synchronize
@@ -113,11 +113,14 @@ class Trainer:
         self.model = build_parallel_model(cfg, ctx, data.splits.num_classes)
         self.forward_model = torch.compile(self.model) if cfg.compile else self.model
         self.optimizer = build_optimizer(cfg, self.model)
-        self.global_batch = cfg.global_batch_at(ctx.world_size)
-        micro_steps = data.steps_per_epoch()
-        self.steps_per_epoch = math.ceil(micro_steps / cfg.accumulate)
-        total = cfg.epochs * self.steps_per_epoch
-        self.total_steps = min(total, cfg.max_steps) if cfg.max_steps else total
+        self.micro_total = data.steps_per_epoch()  # micro-batches per epoch on each rank
+        self.steps_per_epoch = math.ceil(self.micro_total / cfg.accumulate)
+        # What one optimizer step really holds: an epoch shorter than --accumulate caps it.
+        self.accumulate = min(cfg.accumulate, self.micro_total)
+        self.global_batch = cfg.per_gpu_batch * ctx.world_size * self.accumulate
+        # The schedule spans --epochs; --max-steps only stops the run early, at a point a
+        # later --resume continues from exactly as if it had never stopped.
+        self.total_steps = cfg.epochs * self.steps_per_epoch
         warmup = round(cfg.warmup_epochs * self.steps_per_epoch)
         self.warmup_steps = min(warmup, self.total_steps // 2)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -129,20 +132,27 @@ class Trainer:
         self.first_step_pending = True
         self.writer = CheckpointWriter(cfg, ctx)
         self.out = cfg.resolved_out
+        self.saved_step: int | None = None  # the step of the newest checkpoint in --out
+        self.finite_step = 0  # the last step at which the loss was checked and finite
 
     # --- checkpoints
     def parts(self) -> TrainingParts:
         return TrainingParts(unwrap(self.model), self.optimizer, self.scheduler, self.scaler)
 
     def save_checkpoint(self, name: str, is_best: bool) -> None:
+        """Callers check the weights first (check_weights): last.pt must stay a good one."""
         num_classes = self.data.splits.num_classes
         payload = training_payload(self.parts(), self.state, self.cfg, self.ctx, num_classes)
         self.writer.save(payload, name, is_best=is_best)
+        self.saved_step = self.state.step
 
     def resume(self, path: Path) -> None:
         payload = load_training_checkpoint(path, map_location=self.ctx.device)
         self.state = restore_training(payload, self.parts(), self.ctx, path)
         use_peak_lr(self.scheduler, self.cfg.resolved_peak_lr)
+        self.finite_step = self.state.step
+        if path.resolve() == (self.writer.directory / "last.pt").resolve():
+            self.saved_step = self.state.step
         if self.ctx.is_main:
             config = json.loads(self.cfg.model_dump_json())
             for warning in resume_warnings(payload, config, self.ctx.world_size):
@@ -159,15 +169,38 @@ class Trainer:
             self.resume(resume_path)
         elif self.cfg.resume == "auto" and self.ctx.is_main:
             ui.info("--resume auto: no checkpoints/last.pt in the output folder; starting fresh")
+        last = self.state.history[-1] if self.state.history else {}
+        if not self.work_left():
+            return last
         if self.ctx.is_main:  # each epoch once, even if the interrupted run wrote one more
             write_metrics_history(self.out / "metrics.jsonl", self.state.history)
         self.announce()
         progress = ui.TrainProgress(self.ctx.is_main, self.cfg.epochs, self.data.steps_per_epoch())
         with progress:
             while self.state.epoch < self.cfg.epochs and not self.reached_max_steps():
-                metrics = self.run_epoch(progress)
-                self.finish_epoch(metrics)
-        return self.state.history[-1] if self.state.history else {}
+                last = self.run_epoch(progress)
+                if self.state.batch_in_epoch < self.micro_total:
+                    self.stop_inside_epoch(last)
+                else:
+                    self.finish_epoch(last)
+        return last
+
+    def work_left(self) -> bool:
+        """False, said on rank 0, when a resume finds the work done: not a silent exit 0,
+        and its outputs (metrics.jsonl too) stay as they are."""
+        state, cfg = self.state, self.cfg
+        if state.epoch >= cfg.epochs:
+            reason = f"all {cfg.epochs} epochs are done; raise --epochs to train more"
+        elif self.reached_max_steps():
+            reason = (
+                f"--max-steps {cfg.max_steps} is reached (step {state.step}, inside epoch "
+                f"{state.epoch + 1}); raise or drop --max-steps to go on"
+            )
+        else:
+            return True
+        if self.ctx.is_main:
+            ui.warn(f"nothing to train: {reason}")
+        return False
 
     def agreed_resume_path(self) -> Path | None:
         """Every rank must resume from the same place. With `--resume auto` and an `--out`
@@ -197,12 +230,14 @@ class Trainer:
         ui.info(
             f"world size {self.ctx.world_size} ({self.ctx.backend}, {self.ctx.device.type}) · "
             f"per-process batch {cfg.per_gpu_batch} × world {self.ctx.world_size} × "
-            f"accumulate {cfg.accumulate} = global batch {self.global_batch}"
+            f"accumulate {self.accumulate} = global batch {self.global_batch}"
         )
         ui.info(
             f"{cfg.describe_lr_at(self.ctx.world_size)} · linear warm-up {self.warmup_steps} "
             f"steps, cosine decay to 0 at step {self.total_steps}"
         )
+        if note := self.accumulation_note():
+            ui.warn(note)
         ui.info(
             f"{cfg.arch} on {cfg.dataset} at {cfg.image_size} px · {self.data.describe_sizes()} · "
             f"{self.steps_per_epoch} steps per epoch · precision {cfg.precision} · out {cfg.out}"
@@ -219,6 +254,29 @@ class Trainer:
                 f"in {self.out / SKIPPED_IMAGES_FILE}"
             )
 
+    def accumulation_note(self) -> str:
+        """Where the optimizer steps hold fewer micro-batches than --accumulate says."""
+        accumulate, micro = self.cfg.accumulate, self.micro_total
+        if accumulate > micro:
+            return (
+                f"--accumulate {accumulate}, but an epoch has only {micro} micro-batch(es) per "
+                f"rank: each optimizer step accumulates {micro} (global batch "
+                f"{self.global_batch}, not {self.cfg.global_batch})"
+            )
+        if micro % accumulate:
+            return (
+                f"{micro} micro-batches per epoch is not a multiple of --accumulate {accumulate}: "
+                f"each epoch's last optimizer step accumulates {micro % accumulate}"
+            )
+        return ""
+
+    def micro_batches_in_step(self, batch_in_epoch: int) -> int:
+        """The micro-batches the optimizer step holding micro-batch `batch_in_epoch`
+        (1-based) accumulates: --accumulate, or what is left of the epoch. The loss is
+        divided by it, so every step averages its gradients whatever its length."""
+        step_start = (batch_in_epoch - 1) // self.cfg.accumulate * self.cfg.accumulate
+        return min(self.cfg.accumulate, self.micro_total - step_start)
+
     def split_note(self) -> str:
         cfg = self.cfg
         if cfg.strategy == "ddp":
@@ -226,8 +284,8 @@ class Trainer:
         gpus = len(model_devices(self.model, self.ctx))
         shares = batch_split(cfg.strategy, cfg.per_gpu_batch, gpus, cfg.gpu0_batch)
         note = f" · each batch of {cfg.per_gpu_batch} split {'+'.join(map(str, shares))}"
-        if cfg.accumulate > 1:
-            per_step = "+".join(str(share * cfg.accumulate) for share in shares)
+        if self.accumulate > 1:
+            per_step = "+".join(str(share * self.accumulate) for share in shares)
             note += f" ({per_step} per optimizer step)"
         return note + f" over {gpus} GPUs"
 
@@ -247,7 +305,8 @@ class Trainer:
             state.batch_in_epoch += 1
             last_micro = state.batch_in_epoch == micro_total
             steps_now = state.batch_in_epoch % cfg.accumulate == 0 or last_micro
-            self.train_micro_step(images, labels, sums, steps_now)
+            accumulated = self.micro_batches_in_step(state.batch_in_epoch)
+            self.train_micro_step(images, labels, sums, steps_now, accumulated)
             timer.tick(len(labels))
             if steps_now:
                 state.step += 1
@@ -256,7 +315,10 @@ class Trainer:
                 self.after_optimizer_step(sums, progress, timer, last_micro)
                 if self.reached_max_steps():
                     break
-        train_loss, train_acc = self.reduce_means(sums)
+        totals = self.reduce_sums(sums)
+        if state.batch_in_epoch < micro_total:  # stopped inside: what a resume adds to
+            state.partial_sums = totals
+        train_loss, train_acc = means(totals)
         images_per_sec = timer.images_per_sec(ctx)
         val_loss, val_acc, val_samples = self.validate()
         return {
@@ -298,13 +360,18 @@ class Trainer:
         return contextlib.nullcontext()
 
     def train_micro_step(
-        self, images: torch.Tensor, labels: torch.Tensor, sums: torch.Tensor, steps_now: bool
+        self,
+        images: torch.Tensor,
+        labels: torch.Tensor,
+        sums: torch.Tensor,
+        steps_now: bool,
+        accumulated: int,
     ) -> None:
         with self.gradient_sync(steps_now):
             with autocast_context(self.cfg, self.ctx):
                 logits = self.forward_model(images)
                 loss = self.loss_fn(logits, labels)
-            self.scaler.scale(loss / self.cfg.accumulate).backward()
+            self.scaler.scale(loss / accumulated).backward()
         with torch.no_grad():
             sums[0] += loss.detach().double() * len(labels)
             sums[1] += (logits.argmax(1) == labels).sum()
@@ -326,15 +393,57 @@ class Trainer:
         if state.step % cfg.log_every == 0 or last_micro:
             loss, acc = self.reduce_means(sums)
             progress.update(state.batch_in_epoch, loss, acc, timer.running_rate(self.ctx))
-        if cfg.save_every_steps and state.step % cfg.save_every_steps == 0 and not last_micro:
-            state.partial_sums = all_reduce_sum(sums.clone(), self.ctx).tolist()
+        saves_now = cfg.save_every_steps and state.step % cfg.save_every_steps == 0
+        # At the epoch's end, or at --max-steps, the run saves anyway.
+        if saves_now and not last_micro and not self.reached_max_steps():
+            state.partial_sums = self.reduce_sums(sums)
+            self.check_weights()
             self.save_checkpoint(f"step-{state.step:08d}.pt", is_best=False)
             state.partial_sums = None
 
     def reduce_means(self, sums: torch.Tensor) -> tuple[float, float]:
+        return means(self.reduce_sums(sums))
+
+    def reduce_sums(self, sums: torch.Tensor) -> list[float]:
+        """The epoch's [loss sum, correct, count] so far, over all ranks. Every rank gets
+        the same sums, so a non-finite loss stops every rank at the same step."""
         total = all_reduce_sum(sums.clone(), self.ctx).tolist()
-        count = max(total[2], 1.0)
-        return total[0] / count, total[1] / count
+        self.check_finite("the training loss", total[0])
+        return total
+
+    # --- non-finite values: stop before they reach a checkpoint
+    def check_finite(self, what: str, value: float) -> None:
+        if not math.isfinite(value):
+            raise self.non_finite_stop(f"{what} is {value}")
+        self.finite_step = self.state.step
+
+    def check_weights(self) -> None:
+        """Before a save. The losses checked so far came before the last update, which may
+        still have made the weights non-finite. One small all_reduce per save, so that
+        every rank stops (or not) together."""
+        tensors = [t for t in unwrap(self.model).state_dict().values() if t.is_floating_point()]
+        finite = torch.stack([t.isfinite().all() for t in tensors]).all() if tensors else True
+        flag = torch.tensor([0.0 if finite else 1.0], device=self.ctx.device)
+        if all_reduce_max(flag, self.ctx).item() != 0:
+            raise self.non_finite_stop("a weight is not finite")
+
+    def non_finite_stop(self, finding: str) -> DdpcliError:
+        """Exit 1 naming the step; last.pt and best.pt stay at the last good save."""
+        state, cfg = self.state, self.cfg
+        when = f"at step {state.step}"
+        if self.finite_step < state.step - 1:  # seen at a logging interval, not at once
+            when = f"between step {self.finite_step} and step {state.step}"
+        where = f"epoch {state.epoch + 1}, batch {state.batch_in_epoch} of {self.micro_total}"
+        if self.saved_step is None:
+            kept = "no checkpoint had been saved yet"
+        else:
+            kept = f"checkpoints/last.pt and best.pt are kept as they were (step {self.saved_step})"
+        hint = f"a lower --lr (this run: {cfg.lr:g})"
+        if cfg.precision in ("fp16", "bf16"):
+            hint += f" or full precision (--precision fp32; this run: {cfg.precision})"
+        return runtime_error(
+            f"{finding} {when} ({where}): training stopped; {kept}. Start again with {hint}"
+        )
 
     @torch.no_grad()
     def validate(self) -> tuple[float, float, int]:
@@ -352,10 +461,13 @@ class Trainer:
             sums[2] += len(labels)
         model.train()
         total = all_reduce_sum(sums, self.ctx).tolist()
+        if not math.isfinite(total[0]):
+            raise self.non_finite_stop(f"the validation loss is {total[0]}")
         count = max(total[2], 1.0)
         return total[0] / count, total[1] / count, int(total[2])
 
     def finish_epoch(self, metrics: dict[str, Any]) -> None:
+        self.check_weights()
         state = self.state
         state.history.append(metrics)
         is_best = metrics["val_acc"] > state.best_val_acc
@@ -364,10 +476,38 @@ class Trainer:
         state.batch_in_epoch = 0
         if self.ctx.is_main:
             with open(self.out / "metrics.jsonl", "a") as handle:
-                handle.write(json.dumps(metrics) + "\n")
+                handle.write(ui.json_text(metrics) + "\n")
             ui.epoch_line(metrics, self.cfg.epochs)
         self.save_checkpoint(f"epoch-{state.epoch:04d}.pt", is_best=is_best)
         barrier(self.ctx)
+
+    def stop_inside_epoch(self, metrics: dict[str, Any]) -> None:
+        """--max-steps stopped the run inside an epoch. Its checkpoint holds the epoch, the
+        batches done and the partial sums (as a --save-every-steps one does), so a resume
+        finishes the epoch exactly; the metrics of the part trained are marked partial and
+        stay out of the history, so the resume's rewrite of metrics.jsonl replaces them."""
+        self.check_weights()
+        state = self.state
+        metrics.update(partial=True, batch_in_epoch=state.batch_in_epoch)
+        is_best = metrics["val_acc"] > state.best_val_acc
+        state.best_val_acc = max(state.best_val_acc, metrics["val_acc"])
+        if self.ctx.is_main:
+            with open(self.out / "metrics.jsonl", "a") as handle:
+                handle.write(ui.json_text(metrics) + "\n")
+            ui.info(
+                f"epoch {metrics['epoch']}/{self.cfg.epochs}, stopped by --max-steps "
+                f"{self.cfg.max_steps} after batch {state.batch_in_epoch} of {self.micro_total} · "
+                f"{ui.format_metrics(metrics)}; --out {self.out} --resume auto with --max-steps "
+                "raised or dropped finishes it"
+            )
+        self.save_checkpoint(f"step-{state.step:08d}.pt", is_best=is_best)
+        state.partial_sums = None
+
+
+def means(totals: list[float]) -> tuple[float, float]:
+    """Mean loss and accuracy from global [loss sum, correct, count]."""
+    count = max(totals[2], 1.0)
+    return totals[0] / count, totals[1] / count
 
 
 def per_rank(value: float, ctx: DistContext) -> list[float]:

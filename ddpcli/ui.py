@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 from typing import Any
 
@@ -34,9 +35,26 @@ def error(message: str) -> None:
         console.print(f"[bold red]error:[/bold red] {escape(line)}", soft_wrap=True)
 
 
+def json_text(document: Any, indent: int | None = None) -> str:
+    """Every JSON document ddpcli writes (metrics.jsonl, summary.json, --json): valid JSON
+    for any reader. Python's json writes NaN and Infinity bare, which strict parsers (jq,
+    JavaScript, most languages' standard libraries) refuse: a non-finite float is null."""
+    return json.dumps(finite_or_none(document), indent=indent, default=str, allow_nan=False)
+
+
+def finite_or_none(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: finite_or_none(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_or_none(item) for item in value]
+    return value
+
+
 def print_json(document: Any) -> None:
     """The only thing a `--json` command writes to stdout."""
-    sys.stdout.write(json.dumps(document, indent=2, default=str) + "\n")
+    sys.stdout.write(json_text(document, indent=2) + "\n")
     sys.stdout.flush()
 
 

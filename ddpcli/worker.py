@@ -7,7 +7,6 @@ in-process when torchrun (or SLURM) already made this process a rank.
 from __future__ import annotations
 
 import faulthandler
-import json
 import os
 import signal
 import sys
@@ -105,7 +104,7 @@ def run_worker(cfg: TrainConfig, env: LauncherEnv) -> dict[str, Any]:
             **skipped_summary(cfg, splits.skipped, out),
         }
         if ctx.is_main:
-            (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+            (out / SUMMARY_FILE).write_text(ui.json_text(summary, indent=2) + "\n")
     finally:
         shutdown()
     if ctx.is_main:  # only after a clean run: a failed one may still be debugged

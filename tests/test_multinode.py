@@ -211,3 +211,50 @@ def test_missing_node_times_out_naming_it(tmp_path):
     assert "could not reach the master at 127.0.0.1" in lonely.stderr, lonely.stderr
     for node in (node0, node1, lonely):
         assert "Traceback" not in node.stderr
+
+
+# --- Nodes started with different settings -------------------------------------------------
+
+
+def test_nodes_with_different_settings_stop_at_once_naming_them(tmp_path):
+    """Two nodes on one machine, one with --per-gpu-batch 16 and one with 32: both exit 1
+    long before --timeout, each naming the setting and every node's value."""
+    port = free_port()
+    base = [
+        sys.executable, "-m", "ddpcli", "train", *ONE_EPOCH, "--nproc", "1", "--nnodes", "2",
+        "--master-addr", "127.0.0.1", "--master-port", str(port), "--timeout", "120",
+    ]  # fmt: skip
+    commands = [
+        [*base, "--node-rank", "0", "--out", str(tmp_path / "n0")],  # ONE_EPOCH's batch: 16
+        [*base, "--node-rank", "1", "--per-gpu-batch", "32", "--out", str(tmp_path / "n1")],
+    ]
+    started = time.monotonic()
+    with nodes(commands) as (node0, node1):
+        deadline = started + 90
+        codes = [node.finish(deadline - time.monotonic()) for node in (node0, node1)]
+    assert codes == [1, 1], (node0.stderr, node1.stderr)
+    assert time.monotonic() - started < 60  # not the --timeout of 120
+    for node in (node0, node1):
+        assert "the nodes were started with different settings" in node.stderr, node.stderr
+        assert "--per-gpu-batch: 16 on node 0 (" in node.stderr
+        assert "; 32 on node 1 (" in node.stderr
+        assert "Traceback" not in node.stderr
+    assert not (tmp_path / "n0" / "metrics.jsonl").exists()
+
+
+def test_only_the_per_node_settings_may_differ():
+    from ddpcli.launch import settings_every_node_shares
+    from ddpcli.rollcall import disagreements
+
+    node0 = TrainConfig(cpu=True, nnodes=2, node_rank=0, out=Path("/a"), timeout=30)
+    node1 = TrainConfig(
+        cpu=True, nnodes=2, node_rank=1, out=Path("/b"), ifname="eth1", lr=0.2, nproc=4
+    )
+    found = disagreements(
+        {"node 0": settings_every_node_shares(node0), "node 1": settings_every_node_shares(node1)}
+    )
+    assert found == {
+        "lr": {"0.1": ["node 0"], "0.2": ["node 1"]},
+        "nproc": {"unset": ["node 0"], "4": ["node 1"]},
+        "nproc_per_node": {"2": ["node 0"], "4": ["node 1"]},
+    }

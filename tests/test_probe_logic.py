@@ -742,11 +742,28 @@ def test_launch_roll_call_other_nodes_repeat_node_0s_verdict(monkeypatch):
     assert caught.value.message == "node 1: node 0 gave up: only 2 of 3 nodes joined"
 
 
+def roll_answer(host: str, **settings: str) -> str:
+    return json.dumps({"host": host, "settings": settings})
+
+
 def test_launch_roll_call_when_every_node_came(monkeypatch):
-    store = FakeStore({"ddpcli/roll/0": "h0"})
+    store = FakeStore({"ddpcli/roll/0": roll_answer("h0")})
     monkeypatch.setattr(launch, "open_store", lambda *args, **kwargs: store)
     assert launch.roll_call(job(1)) is store
-    assert store.get("ddpcli/roll/1") == socket.gethostname().encode()
+    assert json.loads(store.get("ddpcli/roll/1")) == {"host": socket.gethostname(), "settings": {}}
+
+
+def test_launch_roll_call_names_the_settings_the_nodes_disagree_on(monkeypatch):
+    store = FakeStore({"ddpcli/roll/0": roll_answer("h0", per_gpu_batch="16", lr="0.1")})
+    monkeypatch.setattr(launch, "open_store", lambda *args, **kwargs: store)
+    mine = launch.WorkerJob(**{**vars(job(1)), "settings": {"per_gpu_batch": "32", "lr": "0.1"}})
+    with pytest.raises(DdpcliError) as caught:
+        launch.roll_call(mine)
+    assert caught.value.exit_code == 1
+    here = socket.gethostname()
+    assert f"  --per-gpu-batch: 16 on node 0 (h0); 32 on node 1 ({here})" in caught.value.message
+    assert "--lr" not in caught.value.message
+    assert store.check(["ddpcli/roll/ack/1"])  # node 0 may close the store now
 
 
 def test_launch_roll_call_without_a_master(monkeypatch):

@@ -9,6 +9,7 @@ import re
 from ddpcli.checkenv.facts import PROBE_TAG_VARIABLE
 from ddpcli.checkenv.probe_plan import BARRIER_ITERATIONS, STAGES
 from ddpcli.checkenv.report import FAIL, WARN, Row, fail, ok
+from ddpcli.rollcall import describe_values, disagreements, group_labels
 
 STAGE_TITLES = {
     "start": "worker start",
@@ -193,31 +194,15 @@ def values_by_origin(records: list[dict], key: str) -> dict[str, list[str]]:
     return group_labels(by_origin)
 
 
-def group_labels(by_origin: dict[str, str]) -> dict[str, list[str]]:
-    grouped: dict[str, list[str]] = {}
-    for origin, value in by_origin.items():
-        grouped.setdefault(value, []).append(origin)
-    return grouped
-
-
-def describe_values(values: dict[str, list[str]]) -> str:
-    return "; ".join(f"{value} on {', '.join(origins)}" for value, origins in values.items())
-
-
 def settings_rows(records: list[dict]) -> list[Row]:
-    names = sorted({name for record in records for name in record.get("settings", {})})
-    rows = []
-    for name in names:
-        by_origin = {node_label(r): r.get("settings", {}).get(name, "unset") for r in records}
-        values = group_labels(by_origin)
-        if len(values) > 1:
-            rows.append(
-                Row(
-                    f"mismatch: {name}",
-                    WARN,
-                    describe_values(values),
-                    f"set {name} the same way on every node (or nowhere): nodes that disagree "
-                    "may pick different transports and hang at init",
-                )
-            )
-    return rows
+    differing = disagreements({node_label(r): r.get("settings", {}) for r in records})
+    return [
+        Row(
+            f"mismatch: {name}",
+            WARN,
+            describe_values(values),
+            f"set {name} the same way on every node (or nowhere): nodes that disagree "
+            "may pick different transports and hang at init",
+        )
+        for name, values in differing.items()
+    ]

@@ -3,10 +3,10 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
+from ddpcli import ui
 from ddpcli.config import TrainConfig
 from ddpcli.dist import DistContext, barrier
 from ddpcli.files import atomic_save, link_or_copy_atomic, sha256_path, write_text_atomic
@@ -54,4 +54,4 @@ class CheckpointWriter:
 def write_metrics_history(path: Path, history: list[dict[str, Any]]) -> None:
     """metrics.jsonl from the checkpoint's history: after a resume each epoch is there exactly
     once, even if the interrupted run had appended an epoch its last checkpoint never saw."""
-    write_text_atomic(Path(path), "".join(json.dumps(metrics) + "\n" for metrics in history))
+    write_text_atomic(Path(path), "".join(ui.json_text(metrics) + "\n" for metrics in history))
