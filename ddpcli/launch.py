@@ -11,6 +11,7 @@ import os
 import signal
 import socket
 import sys
+import tempfile
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +24,7 @@ from ddpcli.errors import USAGE, DdpcliError, first_line, runtime_error, usage_e
 from ddpcli.machine import cpu_count
 from ddpcli.process import freeze_imported_objects
 from ddpcli.rollcall import MasterUnreachable, NodeZeroGaveUp, RollCall, open_store
+from ddpcli.runfolder import claim_run_folder
 
 if TYPE_CHECKING:  # torch is imported where a launch needs it, not with this module
     from torch.distributed import Store
@@ -36,7 +38,9 @@ def launch_train(cfg: TrainConfig, debug: bool = False) -> dict[str, Any]:
     """Run the training job and return rank 0's summary."""
     freeze_imported_objects()
     launcher = read_launcher_env()
-    if launcher is not None:
+    with claim_run_folder(cfg, launcher):
+        if launcher is None:
+            return _launch_elastic(cfg, debug)
         from ddpcli.worker import run_worker
 
         if cfg.gpus and launcher.rank == 0:
@@ -44,7 +48,6 @@ def launch_train(cfg: TrainConfig, debug: bool = False) -> dict[str, Any]:
         if cfg.ifname:  # this process is the worker: set them before its group forms
             os.environ["GLOO_SOCKET_IFNAME"] = os.environ["NCCL_SOCKET_IFNAME"] = cfg.ifname
         return run_worker(cfg, launcher)
-    return _launch_elastic(cfg, debug)
 
 
 def worker_environment(
@@ -80,7 +83,9 @@ class WorkerJob:
     log_dir: str | None = None
 
 
-def launch_config(job: WorkerJob) -> LaunchConfig:
+def launch_config(job: WorkerJob, scratch: str) -> LaunchConfig:
+    """The elastic agent's settings; its per-attempt files (error reports, and the workers'
+    output when there is no --log-dir) go under SCRATCH, which the launch removes."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
     from torch.distributed.launcher.api import LaunchConfig
 
@@ -98,7 +103,9 @@ def launch_config(job: WorkerJob) -> LaunchConfig:
         logs = DefaultLogsSpecs(log_dir=job.log_dir, redirects=Std.ALL, tee=tee)
         prefix = "[${hostname} rank ${rank}] "
     else:
-        logs = DefaultLogsSpecs()
+        # Left to itself the agent makes a torchelastic_* folder in the system's temporary
+        # directory for every run, and never removes it.
+        logs = DefaultLogsSpecs(log_dir=scratch)
     return LaunchConfig(
         min_nodes=job.nnodes,
         max_nodes=job.nnodes,
@@ -129,7 +136,9 @@ def run_workers(job: WorkerJob, debug: bool = False) -> None:
     os.environ["DDPCLI_AGENT_PID"] = str(os.getpid())  # workers die with us (worker.py)
     store = roll_call(job) if job.nnodes > 1 else None  # noqa: F841 - keeps the server alive
     try:
-        elastic_launch(launch_config(job), sys.executable)("-m", job.module, *job.args)
+        with tempfile.TemporaryDirectory(prefix="ddpcli-agent-") as scratch:
+            config = launch_config(job, scratch)
+            elastic_launch(config, sys.executable)("-m", job.module, *job.args)
     except ChildFailedError as failure:
         raise describe_failure(failure, job.log_dir) from None
     except Exception as error:  # rendezvous errors: the world never formed
@@ -214,31 +223,28 @@ def missing_nodes(job: WorkerJob, present: list[int], address: str) -> str:
 
 def _launch_elastic(cfg: TrainConfig, debug: bool) -> dict[str, Any]:
     out = cfg.resolved_out
-    out.mkdir(parents=True, exist_ok=True)
-    # One request per node: on a shared --out (needed to resume on several nodes) the
-    # nodes must not overwrite, or delete, each other's.
-    request = out / f".launch-config.node{cfg.node_rank}.json"
-    request.write_text(cfg.model_dump_json())
     summary_file = out / "summary.json"  # rank 0 writes it, and rank 0 runs on node 0
     if cfg.node_rank == 0:
         summary_file.unlink(missing_ok=True)
-    job = WorkerJob(
-        module=WORKER_MODULE,
-        args=[str(request)],
-        nproc_per_node=cfg.nproc_per_node,
-        nnodes=cfg.nnodes,
-        node_rank=cfg.node_rank,
-        master_addr=cfg.master_addr,
-        master_port=cfg.master_port,
-        timeout_s=cfg.timeout,
-        max_restarts=cfg.max_restarts,
-        env={**train_environment(cfg), **({"DDPCLI_DEBUG": "1"} if debug else {})},
-        log_dir=str(cfg.log_dir) if cfg.log_dir else None,
-    )
-    try:
+    # The config the workers read is this launch's alone: in a folder of its own, removed
+    # when the launch ends (in --out, a second run could rewrite it before they read it).
+    with tempfile.TemporaryDirectory(prefix="ddpcli-launch-") as private:
+        request = Path(private) / "config.json"
+        request.write_text(cfg.model_dump_json())
+        job = WorkerJob(
+            module=WORKER_MODULE,
+            args=[str(request), str(out)],  # the second names the run for `ps`, unread
+            nproc_per_node=cfg.nproc_per_node,
+            nnodes=cfg.nnodes,
+            node_rank=cfg.node_rank,
+            master_addr=cfg.master_addr,
+            master_port=cfg.master_port,
+            timeout_s=cfg.timeout,
+            max_restarts=cfg.max_restarts,
+            env={**train_environment(cfg), **({"DDPCLI_DEBUG": "1"} if debug else {})},
+            log_dir=str(cfg.log_dir) if cfg.log_dir else None,
+        )
         run_workers(job, debug)
-    finally:
-        request.unlink(missing_ok=True)
     if job.log_dir:
         ui.info(f"per-rank logs: {newest_run_log_dir(job.log_dir)}/attempt_N/<local rank>/")
     if cfg.node_rank == 0 and summary_file.exists():

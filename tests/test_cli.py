@@ -289,3 +289,11 @@ def test_progress_says_no_rate_before_the_timed_window_opens(capsys, monkeypatch
         bar.update(1, 2.3, 0.1, None)
         bar.bar.refresh()
     assert "-- img/s" in terminal.getvalue() and "0 img/s" not in terminal.getvalue()
+
+
+def test_overwrite_is_a_setting_with_its_no_form(tmp_path):
+    result = run_cli(
+        "train", "--cpu", "--overwrite", "--out", str(tmp_path), "--dry-run", "--json", timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["overwrite"] is True

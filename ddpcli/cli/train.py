@@ -167,6 +167,14 @@ def train(
             default="none: a fresh start",
         ),
     ] = None,
+    overwrite: Annotated[
+        bool | None,
+        train_option(
+            "overwrite",
+            "Clear an earlier run's metrics and checkpoints from --out first.",
+            OUTPUT,
+        ),
+    ] = None,
     save_every_steps: Annotated[
         int | None,
         train_option(
@@ -204,13 +212,16 @@ def train(
         from ddpcli.environments import read_launcher_env
         from ddpcli.resolve import resolve_train_config
 
-        cfg = resolve_train_config(build_train_config(flags, recipe), read_launcher_env())
+        launcher = read_launcher_env()
+        cfg = resolve_train_config(build_train_config(flags, recipe), launcher)
         if dry_run:
             show_config(cfg, json_output)
             return
         from ddpcli.checkpoint.schema import check_resume_source
         from ddpcli.launch import launch_train
+        from ddpcli.runfolder import continue_after_requeue
 
+        cfg = continue_after_requeue(cfg, launcher)
         check_resume_source(cfg)  # a bad --resume file: exit 2 now, before any worker starts
         summary = launch_train(cfg, debug=_state["debug"])
         report_training(cfg, summary, json_output)

@@ -87,6 +87,7 @@ class TrainConfig(BaseModel):
     # outputs
     out: Path | None = None
     resume: str | None = None
+    overwrite: bool = False
     save_every_steps: int | None = Field(None, ge=1)
     keep_last: int = Field(3, ge=0)
     log_dir: Path | None = None
@@ -122,6 +123,11 @@ class TrainConfig(BaseModel):
             raise ValueError(f"invalid --data-dir: --dataset {self.dataset} needs --data-dir DIR")
         if self.strategy == "balanced-dp" and self.gpu0_batch is None:
             raise ValueError("invalid --gpu0-batch: --strategy balanced-dp needs --gpu0-batch N")
+        if self.overwrite and self.resume == "auto":
+            raise ValueError(
+                "invalid --overwrite: it clears --out's earlier run, and --resume auto "
+                "continues it; pick one"
+            )
         return self
 
     # Values derived from the config, never stored twice.
