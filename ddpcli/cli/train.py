@@ -209,11 +209,17 @@ def train(
 
     def action() -> None:
         from ddpcli.config import build_train_config
+        from ddpcli.config.train import train_setting_origins, with_origins
         from ddpcli.environments import read_launcher_env
+        from ddpcli.errors import DdpcliError
         from ddpcli.resolve import resolve_train_config
 
         launcher = read_launcher_env()
-        cfg = resolve_train_config(build_train_config(flags, recipe), launcher)
+        cfg = build_train_config(flags, recipe)
+        try:
+            cfg = resolve_train_config(cfg, launcher)
+        except DdpcliError as error:  # name where each setting it names came from
+            raise with_origins(error, train_setting_origins(flags, recipe)) from None
         if dry_run:
             show_config(cfg, json_output)
             return
