@@ -23,7 +23,7 @@ from ddpcli.environments import read_launcher_env
 from ddpcli.errors import USAGE, DdpcliError, first_line, runtime_error, usage_error
 from ddpcli.machine import cpu_count
 from ddpcli.process import freeze_imported_objects
-from ddpcli.rollcall import MasterUnreachable, NodeZeroGaveUp, RollCall, open_store
+from ddpcli.rollcall import MasterUnreachable, NodeZeroGaveUp, NotAStore, RollCall, open_store
 from ddpcli.runfolder import claim_run_folder
 
 if TYPE_CHECKING:  # torch is imported where a launch needs it, not with this module
@@ -140,7 +140,7 @@ def run_workers(job: WorkerJob, debug: bool = False) -> None:
             config = launch_config(job, scratch)
             elastic_launch(config, sys.executable)("-m", job.module, *job.args)
     except ChildFailedError as failure:
-        raise describe_failure(failure, job.log_dir) from None
+        raise describe_failure(failure, job.log_dir, job.timeout_s) from None
     except Exception as error:  # rendezvous errors: the world never formed
         name = type(error).__name__
         if "Rendezvous" in name or "Timeout" in name:
@@ -168,11 +168,16 @@ def roll_call(job: WorkerJob) -> Store:
     node that never comes is named after --timeout instead of everyone waiting forever.
     Node 0 hosts the store (multi-tenant: the elastic agent's rendezvous reuses it), and
     when it gives up it posts why, so the nodes that came say the same (ddpcli.rollcall)."""
-    address = f"{job.master_addr}:{job.master_port}"
+    port = job.master_port or 29500  # as launch_config: torchrun's default
+    address = f"{job.master_addr}:{port}"
     try:
-        store = open_store(
-            job.master_addr, job.master_port, job.node_rank, job.timeout_s, multi_tenant=True
-        )
+        store = open_store(job.master_addr, port, job.node_rank, job.timeout_s, multi_tenant=True)
+    except NotAStore as service:
+        raise runtime_error(
+            f"node {job.node_rank}: a non-PyTorch service answers at {address}, not node 0's "
+            f"store ({service}); give every node the same free --master-port, and check that "
+            "--master-addr is node 0's"
+        ) from None
     except MasterUnreachable:
         raise runtime_error(
             f"node {job.node_rank}: could not reach the master at {address} within "
@@ -257,19 +262,26 @@ def train_environment(cfg: TrainConfig) -> dict[str, str]:
     return worker_environment(gpus, cfg.nproc_per_node, cfg.ifname)
 
 
-def describe_failure(failure: ChildFailedError, log_dir: str | None = None) -> DdpcliError:
+def describe_failure(
+    failure: ChildFailedError, log_dir: str | None = None, timeout_s: float | None = None
+) -> DdpcliError:
     """Name the first rank that failed, how it ended, and the last lines it printed."""
     rank, first = first_cause(failure)
-    how = exit_in_words(first.exitcode)
-    consequence = knock_on_effect(first)
-    verb = "stopped" if consequence else "failed"
-    lines = [f"rank {rank} on {socket.gethostname()} {verb} first: {how}"]
     others = sorted(r for r in failure.failures if r != rank)
-    if others:
-        ranks = f"rank {others[0]}" if len(others) == 1 else f"ranks {', '.join(map(str, others))}"
-        lines[0] += f" (then {ranks} stopped)"
-    if consequence:
-        lines.append(f"  {consequence}")
+    if stopped_responding(first, failure):
+        lines = [
+            f"rank {rank} on {socket.gethostname()} {unresponsive_in_words(others, timeout_s)}"
+        ]
+    else:
+        consequence = knock_on_effect(first)
+        verb = "stopped" if consequence else "failed"
+        lines = [
+            f"rank {rank} on {socket.gethostname()} {verb} first: {exit_in_words(first.exitcode)}"
+        ]
+        if others:
+            lines[0] += f" (then {rank_list(others)} stopped)"
+        if consequence:
+            lines.append(f"  {consequence}")
     detail = error_tail(first)
     if detail:
         lines.append(detail)
@@ -277,6 +289,31 @@ def describe_failure(failure: ChildFailedError, log_dir: str | None = None) -> D
         lines.append(f"  its output: {rank_log(log_dir, first.local_rank)}")
     code = USAGE if first.exitcode == USAGE else 1
     return usage_error("\n".join(lines)) if code == USAGE else runtime_error("\n".join(lines))
+
+
+def rank_list(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+
+
+def stopped_responding(first: ProcessFailure, failure: ChildFailedError) -> bool:
+    """Killed (SIGKILL) no earlier than the others gave up waiting for it at a collective:
+    most likely the agent killing a rank that could not act on its SIGTERM (stopped, hung)
+    rather than the kernel out of memory. The two cannot be told apart for sure, so the
+    words say what was seen."""
+    if first.exitcode != -signal.SIGKILL:
+        return False
+    others = [other for other in failure.failures.values() if other is not first]
+    waited = [other for other in others if timed_out(other)]
+    return bool(waited) and first.timestamp >= min(other.timestamp for other in waited)
+
+
+def unresponsive_in_words(others: list[int], timeout_s: float | None) -> str:
+    waited = f" for --timeout ({timeout_s:g} s)" if timeout_s else ""
+    return (
+        f"stopped responding: {rank_list(others)} waited for it{waited} at a collective and "
+        "gave up; it was then killed (SIGKILL) because it did not stop when asked, so it "
+        "was most likely hung or stopped (SIGSTOP, a debugger, a stuck I/O or device call)"
+    )
 
 
 # What a rank prints when another one died or hung: its failure is a consequence.
@@ -295,18 +332,28 @@ def first_cause(failure: ChildFailedError) -> tuple[int, ProcessFailure]:
     return sorted(failure.failures.items(), key=order)[0]
 
 
+def last_error_line(failure: ProcessFailure) -> str:
+    """The exception itself, not the code in the traceback."""
+    lines = failure_text(failure).strip().splitlines()
+    return lines[-1] if lines else ""
+
+
+def timed_out(failure: ProcessFailure) -> bool:
+    """The rank gave up at a collective after --timeout."""
+    return any(marker in last_error_line(failure) for marker in TIMED_OUT)
+
+
 def knock_on_effect(failure: ProcessFailure) -> str:
     """Why this failure is probably not the cause, or "" if it may be."""
     if failure.exitcode == -signal.SIGTERM:
         return "it was stopped because another rank failed"
-    lines = failure_text(failure).strip().splitlines()
-    text = lines[-1] if lines else ""  # the exception itself, not the code in the traceback
+    text = last_error_line(failure)
     if any(marker in text for marker in PEER_LOST):
         return (
             "it lost its connection to another rank, which most likely died first "
             "(on another node: see that node's output)"
         )
-    if any(marker in text for marker in TIMED_OUT):
+    if timed_out(failure):
         return (
             "a collective did not finish within --timeout: another rank stopped responding "
             "(a node down or hung, or the network between them)"

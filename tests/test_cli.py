@@ -355,6 +355,17 @@ def test_a_flag_overrides_the_recipe_side_of_an_exclusion(tmp_path, monkeypatch)
     assert f"--cpu from recipe {recipe}; --gpus from recipe {recipe}" in both_in_recipe.stderr
 
 
+@pytest.mark.parametrize("timeout", ["0.001", "0", "-3"])
+def test_a_timeout_below_a_second_is_exit_2(timeout):
+    from ddpcli.config import build_train_config
+    from ddpcli.errors import DdpcliError
+
+    with pytest.raises(DdpcliError) as refused:
+        build_train_config({"timeout": float(timeout)}, None)
+    assert refused.value.exit_code == 2
+    assert refused.value.message.startswith("invalid --timeout: at least 1 s")
+
+
 def test_overwrite_is_a_setting_with_its_no_form(tmp_path):
     result = run_cli(
         "train", "--cpu", "--overwrite", "--out", str(tmp_path), "--dry-run", "--json", timeout=60

@@ -36,6 +36,8 @@ else:  # pragma: no cover
 # is handed to PATH.rankN, one JSON line per batch. A debugging aid, and the evidence the
 # resume tests use that no sample is trained twice or missed (docs/checkpoints.md).
 TRACE_SAMPLES_VARIABLE = "DDPCLI_TRACE_SAMPLES"
+# Below a second no rank can even join: init and every collective are bounded by --timeout.
+MIN_TIMEOUT_S = 1.0
 
 
 class TrainConfig(BaseModel):
@@ -82,7 +84,7 @@ class TrainConfig(BaseModel):
     master_port: int | None = Field(None, ge=1, le=65535)
     init_method: str | None = None
     ifname: str | None = None
-    timeout: float = Field(300.0, gt=0, description="seconds for init and every collective")
+    timeout: float = Field(300.0, description="seconds for init and every collective")
     max_restarts: int = Field(0, ge=0)
     # outputs
     out: Path | None = None
@@ -113,6 +115,16 @@ class TrainConfig(BaseModel):
     @classmethod
     def _resume_value(cls, value: str | None) -> str | None:
         return None if value in (None, "", "none") else value
+
+    @field_validator("timeout")
+    @classmethod
+    def _timeout_floor(cls, value: float) -> float:
+        if not value >= MIN_TIMEOUT_S:
+            raise ValueError(
+                f"at least {MIN_TIMEOUT_S:g} s: it bounds the start-up and every collective, "
+                "and in less no rank can even join"
+            )
+        return value
 
     @model_validator(mode="after")
     def _consistent(self) -> TrainConfig:
