@@ -23,6 +23,7 @@ from ddpcli.environments import read_launcher_env
 from ddpcli.errors import USAGE, DdpcliError, first_line, runtime_error, usage_error
 from ddpcli.machine import cpu_count
 from ddpcli.process import freeze_imported_objects
+from ddpcli.resources import capacity_warnings
 from ddpcli.rollcall import MasterUnreachable, NodeZeroGaveUp, NotAStore, RollCall, open_store
 from ddpcli.runfolder import claim_run_folder
 
@@ -228,6 +229,8 @@ def missing_nodes(job: WorkerJob, present: list[int], address: str) -> str:
 
 def _launch_elastic(cfg: TrainConfig, debug: bool) -> dict[str, Any]:
     out = cfg.resolved_out
+    for warning in capacity_warnings(cfg):
+        ui.warn(warning)
     summary_file = out / "summary.json"  # rank 0 writes it, and rank 0 runs on node 0
     if cfg.node_rank == 0:
         summary_file.unlink(missing_ok=True)

@@ -19,6 +19,7 @@ from test_faults import SHORT_RUN, TINY, Background, assert_no_worker_left, chil
 from ddpcli.config import TrainConfig
 from ddpcli.environments import LauncherEnv, restarted_by
 from ddpcli.errors import DdpcliError
+from ddpcli.resources import capacity_warnings
 from ddpcli.runfolder import (
     RunFolderLock,
     claim_run_folder,
@@ -236,3 +237,35 @@ def test_a_run_leaves_nothing_in_the_temporary_directory(tmp_path):
     )  # fmt: skip
     assert failed.returncode == 1, failed.stderr[-3000:]
     assert left_in(temporary) == []
+
+
+# --- 6. Warnings before launch --------------------------------------------------------------
+
+
+def test_more_processes_than_cores_and_memory_get_a_warning_with_the_arithmetic(monkeypatch):
+    monkeypatch.setattr("ddpcli.resources.cpu_count", lambda: 2)
+    cfg = config(Path("out"), nproc=64)
+    cores, memory = capacity_warnings(cfg, available_bytes=8e9)
+    assert "64 processes on 2 core(s)" in cores and "(2 / 64)" in cores
+    assert "64 processes x 0." in memory and "8.0 GB is available" in memory
+    assert capacity_warnings(config(Path("out"), nproc=2), available_bytes=64e9) == []
+
+
+def test_the_warning_comes_before_launch(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from ddpcli.cli import app
+    from ddpcli.errors import runtime_error
+
+    def no_launch(job, debug=False):
+        raise runtime_error("(the test stops here)")
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr("ddpcli.launch.run_workers", no_launch)
+    monkeypatch.setattr("ddpcli.resources.cpu_count", lambda: 2)
+    result = CliRunner().invoke(
+        app, ["train", "--cpu", "--nproc", "64", "--arch", "tinycnn", "--out", str(tmp_path)]
+    )
+    assert result.exit_code == 1
+    assert "64 processes on 2 core(s)" in result.stderr
