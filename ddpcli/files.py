@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -46,13 +47,18 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+SHA256_HEX = re.compile(r"[0-9a-f]{64}")
+
+
 def recorded_digests(path: Path) -> list[str]:
-    """The digests in `path.sha256` (`sha256sum` layout), newest first; [] if none."""
+    """The digests in `path.sha256` (`sha256sum` layout), newest first; [] if none can be
+    read there (no sidecar, or not one a SHA-256 can be read from)."""
     try:
         lines = sha256_path(Path(path)).read_text().splitlines()
     except (OSError, UnicodeDecodeError):
         return []
-    return [line.split()[0].lower() for line in lines if line.split()]
+    words = [line.split()[0].lower() for line in lines if line.split()]
+    return [word for word in words if SHA256_HEX.fullmatch(word)]
 
 
 def _record_digests(path: Path, digests: list[str]) -> None:
@@ -70,13 +76,35 @@ def _replace_recording_digest(tmp: Path | str, target: Path, digest: str) -> Non
 
 
 def digest_status(path: Path) -> dict[str, Any]:
-    """`ok`, `mismatch` (the bytes changed since the save) or `missing` (no sidecar)."""
+    """`ok`, `mismatch` (the bytes changed since the save), `missing` (no sidecar) or
+    `unreadable` (a sidecar that holds no SHA-256)."""
     recorded = recorded_digests(path)
     if not recorded:
-        return {"status": "missing", "sha256": None, "recorded": None}
+        status = "unreadable" if sha256_path(Path(path)).exists() else "missing"
+        return {"status": status, "sha256": None, "recorded": None}
     actual = file_sha256(path)
     status = "ok" if actual in recorded else "mismatch"
     return {"status": status, "sha256": actual, "recorded": recorded[0]}
+
+
+def folder_write_problem(folder: Path) -> str | None:
+    """Why this process cannot write files in FOLDER (creating it if need be), in words;
+    None when it can. Nothing is created to find out."""
+    folder = Path(folder)
+    existing = folder
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"{existing} is a file"
+    if os.access(existing, os.W_OK | os.X_OK):
+        return None
+    try:
+        read_only = bool(os.statvfs(existing).f_flag & os.ST_RDONLY)
+    except OSError:
+        read_only = False
+    return (
+        f"{existing} is on a read-only file system" if read_only else f"{existing} is not writable"
+    )
 
 
 def _umask() -> int:

@@ -11,6 +11,7 @@ import os
 import signal
 import socket
 import sys
+import tempfile
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,14 +23,17 @@ from ddpcli.environments import read_launcher_env
 from ddpcli.errors import USAGE, DdpcliError, first_line, runtime_error, usage_error
 from ddpcli.machine import cpu_count
 from ddpcli.process import freeze_imported_objects
+from ddpcli.resources import capacity_warnings
 from ddpcli.rollcall import (
     MasterUnreachable,
     NodeZeroGaveUp,
+    NotAStore,
     RollCall,
     describe_values,
     disagreements,
     open_store,
 )
+from ddpcli.runfolder import claim_run_folder
 
 if TYPE_CHECKING:  # torch is imported where a launch needs it, not with this module
     from torch.distributed import Store
@@ -44,7 +48,9 @@ def launch_train(cfg: TrainConfig, debug: bool = False) -> dict[str, Any]:
     """Run the training job and return rank 0's summary."""
     freeze_imported_objects()
     launcher = read_launcher_env()
-    if launcher is not None:
+    with claim_run_folder(cfg, launcher):
+        if launcher is None:
+            return _launch_elastic(cfg, debug)
         from ddpcli.worker import run_worker
 
         if cfg.gpus and launcher.rank == 0:
@@ -52,7 +58,6 @@ def launch_train(cfg: TrainConfig, debug: bool = False) -> dict[str, Any]:
         if cfg.ifname:  # this process is the worker: set them before its group forms
             os.environ["GLOO_SOCKET_IFNAME"] = os.environ["NCCL_SOCKET_IFNAME"] = cfg.ifname
         return run_worker(cfg, launcher)
-    return _launch_elastic(cfg, debug)
 
 
 def worker_environment(
@@ -96,7 +101,9 @@ class WorkerJob:
         return self.master_port or DEFAULT_MASTER_PORT
 
 
-def launch_config(job: WorkerJob) -> LaunchConfig:
+def launch_config(job: WorkerJob, scratch: str) -> LaunchConfig:
+    """The elastic agent's settings; its per-attempt files (error reports, and the workers'
+    output when there is no --log-dir) go under SCRATCH, which the launch removes."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
     from torch.distributed.launcher.api import LaunchConfig
 
@@ -114,7 +121,9 @@ def launch_config(job: WorkerJob) -> LaunchConfig:
         logs = DefaultLogsSpecs(log_dir=job.log_dir, redirects=Std.ALL, tee=tee)
         prefix = "[${hostname} rank ${rank}] "
     else:
-        logs = DefaultLogsSpecs()
+        # Left to itself the agent makes a torchelastic_* folder in the system's temporary
+        # directory for every run, and never removes it.
+        logs = DefaultLogsSpecs(log_dir=scratch)
     return LaunchConfig(
         min_nodes=job.nnodes,
         max_nodes=job.nnodes,
@@ -145,9 +154,11 @@ def run_workers(job: WorkerJob, debug: bool = False) -> None:
     os.environ["DDPCLI_AGENT_PID"] = str(os.getpid())  # workers die with us (worker.py)
     store = roll_call(job) if job.nnodes > 1 else None  # noqa: F841 - keeps the server alive
     try:
-        elastic_launch(launch_config(job), sys.executable)("-m", job.module, *job.args)
+        with tempfile.TemporaryDirectory(prefix="ddpcli-agent-") as scratch:
+            config = launch_config(job, scratch)
+            elastic_launch(config, sys.executable)("-m", job.module, *job.args)
     except ChildFailedError as failure:
-        raise describe_failure(failure, job.log_dir) from None
+        raise describe_failure(failure, job.log_dir, job.timeout_s) from None
     except Exception as error:  # rendezvous errors: the world never formed
         name = type(error).__name__
         if "Rendezvous" in name or "Timeout" in name:
@@ -180,6 +191,12 @@ def roll_call(job: WorkerJob) -> Store:
         store = open_store(
             job.master_addr, job.agent_port, job.node_rank, job.timeout_s, multi_tenant=True
         )
+    except NotAStore as service:
+        raise runtime_error(
+            f"node {job.node_rank}: a non-PyTorch service answers at {address}, not node 0's "
+            f"store ({service}); give every node the same free --master-port, and check that "
+            "--master-addr is node 0's"
+        ) from None
     except MasterUnreachable:
         raise runtime_error(
             f"node {job.node_rank}: could not reach the master at {address} within "
@@ -281,32 +298,31 @@ def missing_nodes(job: WorkerJob, present: list[int], address: str) -> str:
 
 def _launch_elastic(cfg: TrainConfig, debug: bool) -> dict[str, Any]:
     out = cfg.resolved_out
-    out.mkdir(parents=True, exist_ok=True)
-    # One request per node: on a shared --out (needed to resume on several nodes) the
-    # nodes must not overwrite, or delete, each other's.
-    request = out / f".launch-config.node{cfg.node_rank}.json"
-    request.write_text(cfg.model_dump_json())
+    for warning in capacity_warnings(cfg):
+        ui.warn(warning)
     summary_file = out / "summary.json"  # rank 0 writes it, and rank 0 runs on node 0
     if cfg.node_rank == 0:
         summary_file.unlink(missing_ok=True)
-    job = WorkerJob(
-        module=WORKER_MODULE,
-        args=[str(request)],
-        nproc_per_node=cfg.nproc_per_node,
-        nnodes=cfg.nnodes,
-        node_rank=cfg.node_rank,
-        master_addr=cfg.master_addr,
-        master_port=cfg.master_port,
-        timeout_s=cfg.timeout,
-        max_restarts=cfg.max_restarts,
-        env={**train_environment(cfg), **({"DDPCLI_DEBUG": "1"} if debug else {})},
-        log_dir=str(cfg.log_dir) if cfg.log_dir else None,
-        settings=settings_every_node_shares(cfg),
-    )
-    try:
+    # The config the workers read is this launch's alone: in a folder of its own, removed
+    # when the launch ends (in --out, a second run could rewrite it before they read it).
+    with tempfile.TemporaryDirectory(prefix="ddpcli-launch-") as private:
+        request = Path(private) / "config.json"
+        request.write_text(cfg.model_dump_json())
+        job = WorkerJob(
+            module=WORKER_MODULE,
+            args=[str(request), str(out)],  # the second names the run for `ps`, unread
+            nproc_per_node=cfg.nproc_per_node,
+            nnodes=cfg.nnodes,
+            node_rank=cfg.node_rank,
+            master_addr=cfg.master_addr,
+            master_port=cfg.master_port,
+            timeout_s=cfg.timeout,
+            max_restarts=cfg.max_restarts,
+            env={**train_environment(cfg), **({"DDPCLI_DEBUG": "1"} if debug else {})},
+            log_dir=str(cfg.log_dir) if cfg.log_dir else None,
+            settings=settings_every_node_shares(cfg),
+        )
         run_workers(job, debug)
-    finally:
-        request.unlink(missing_ok=True)
     if job.log_dir:
         ui.info(f"per-rank logs: {newest_run_log_dir(job.log_dir)}/attempt_N/<local rank>/")
     if cfg.node_rank == 0 and summary_file.exists():
@@ -319,19 +335,26 @@ def train_environment(cfg: TrainConfig) -> dict[str, str]:
     return worker_environment(gpus, cfg.nproc_per_node, cfg.ifname)
 
 
-def describe_failure(failure: ChildFailedError, log_dir: str | None = None) -> DdpcliError:
+def describe_failure(
+    failure: ChildFailedError, log_dir: str | None = None, timeout_s: float | None = None
+) -> DdpcliError:
     """Name the first rank that failed, how it ended, and the last lines it printed."""
     rank, first = first_cause(failure)
-    how = exit_in_words(first.exitcode)
-    consequence = knock_on_effect(first)
-    verb = "stopped" if consequence else "failed"
-    lines = [f"rank {rank} on {socket.gethostname()} {verb} first: {how}"]
     others = sorted(r for r in failure.failures if r != rank)
-    if others:
-        ranks = f"rank {others[0]}" if len(others) == 1 else f"ranks {', '.join(map(str, others))}"
-        lines[0] += f" (then {ranks} stopped)"
-    if consequence:
-        lines.append(f"  {consequence}")
+    if stopped_responding(first, failure):
+        lines = [
+            f"rank {rank} on {socket.gethostname()} {unresponsive_in_words(others, timeout_s)}"
+        ]
+    else:
+        consequence = knock_on_effect(first)
+        verb = "stopped" if consequence else "failed"
+        lines = [
+            f"rank {rank} on {socket.gethostname()} {verb} first: {exit_in_words(first.exitcode)}"
+        ]
+        if others:
+            lines[0] += f" (then {rank_list(others)} stopped)"
+        if consequence:
+            lines.append(f"  {consequence}")
     detail = error_tail(first)
     if detail:
         lines.append(detail)
@@ -339,6 +362,31 @@ def describe_failure(failure: ChildFailedError, log_dir: str | None = None) -> D
         lines.append(f"  its output: {rank_log(log_dir, first.local_rank)}")
     code = USAGE if first.exitcode == USAGE else 1
     return usage_error("\n".join(lines)) if code == USAGE else runtime_error("\n".join(lines))
+
+
+def rank_list(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+
+
+def stopped_responding(first: ProcessFailure, failure: ChildFailedError) -> bool:
+    """Killed (SIGKILL) no earlier than the others gave up waiting for it at a collective:
+    most likely the agent killing a rank that could not act on its SIGTERM (stopped, hung)
+    rather than the kernel out of memory. The two cannot be told apart for sure, so the
+    words say what was seen."""
+    if first.exitcode != -signal.SIGKILL:
+        return False
+    others = [other for other in failure.failures.values() if other is not first]
+    waited = [other for other in others if timed_out(other)]
+    return bool(waited) and first.timestamp >= min(other.timestamp for other in waited)
+
+
+def unresponsive_in_words(others: list[int], timeout_s: float | None) -> str:
+    waited = f" for --timeout ({timeout_s:g} s)" if timeout_s else ""
+    return (
+        f"stopped responding: {rank_list(others)} waited for it{waited} at a collective and "
+        "gave up; it was then killed (SIGKILL) because it did not stop when asked, so it "
+        "was most likely hung or stopped (SIGSTOP, a debugger, a stuck I/O or device call)"
+    )
 
 
 # What a rank prints when another one died or hung: its failure is a consequence.
@@ -357,18 +405,28 @@ def first_cause(failure: ChildFailedError) -> tuple[int, ProcessFailure]:
     return sorted(failure.failures.items(), key=order)[0]
 
 
+def last_error_line(failure: ProcessFailure) -> str:
+    """The exception itself, not the code in the traceback."""
+    lines = failure_text(failure).strip().splitlines()
+    return lines[-1] if lines else ""
+
+
+def timed_out(failure: ProcessFailure) -> bool:
+    """The rank gave up at a collective after --timeout."""
+    return any(marker in last_error_line(failure) for marker in TIMED_OUT)
+
+
 def knock_on_effect(failure: ProcessFailure) -> str:
     """Why this failure is probably not the cause, or "" if it may be."""
     if failure.exitcode == -signal.SIGTERM:
         return "it was stopped because another rank failed"
-    lines = failure_text(failure).strip().splitlines()
-    text = lines[-1] if lines else ""  # the exception itself, not the code in the traceback
+    text = last_error_line(failure)
     if any(marker in text for marker in PEER_LOST):
         return (
             "it lost its connection to another rank, which most likely died first "
             "(on another node: see that node's output)"
         )
-    if any(marker in text for marker in TIMED_OUT):
+    if timed_out(failure):
         return (
             "a collective did not finish within --timeout: another rank stopped responding "
             "(a node down or hung, or the network between them)"

@@ -16,6 +16,7 @@ from ddpcli.config import TrainConfig
 from ddpcli.data.sets import STL10_SIDE, check_data_source
 from ddpcli.environments import LauncherEnv
 from ddpcli.errors import usage_error
+from ddpcli.files import folder_write_problem
 from ddpcli.machine import check_gpu_indices, check_interface, physical_gpu_count
 
 DEFAULT_MASTER_PORT = 29500  # torchrun's
@@ -41,6 +42,9 @@ def resolve_train_config(cfg: TrainConfig, launcher: LauncherEnv | None) -> Trai
         folder_size = IMAGEFOLDER_SIZE["gpu" if on_gpu else "cpu"]
         values["image_size"] = NATIVE_IMAGE_SIZE.get(cfg.dataset, folder_size)
     values["out"] = values["out"] or default_out_dir()
+    check_writable_folder(values["out"], "--out")
+    if values["log_dir"] is not None:
+        check_writable_folder(values["log_dir"], "--log-dir")
     resolve_agent_address(values)
     check_data_source(cfg)
     if cfg.ifname:
@@ -55,6 +59,14 @@ def resolve_train_config(cfg: TrainConfig, launcher: LauncherEnv | None) -> Trai
 
 def default_out_dir() -> Path:
     return Path("runs") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+
+
+def check_writable_folder(path: Path, flag: str) -> None:
+    """PATH is a folder this process can write in, or can create: else exit 2 naming FLAG.
+    Nothing is created here (a dry run writes nothing)."""
+    problem = folder_write_problem(path)
+    if problem:
+        raise usage_error(f"invalid {flag}: cannot write in {path}: {problem}; give a folder")
 
 
 def resolve_devices(values: dict[str, Any]) -> None:

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import datetime
 import errno
+import os
 import socket
+import struct
 import time
 from typing import TYPE_CHECKING
 
@@ -22,10 +24,19 @@ CONNECT_TIMEOUT_S = 3.0
 PORT_POLL_S = 0.5
 ROLL_POLL_S = 0.2
 VERDICT_ACK_S = 3.0  # how long node 0 waits for the others to read its verdict
+HANDSHAKE_S = 10.0  # a store answers its handshake at once; a busy node 0 gets some time
+# The first bytes every TCPStore client sends (torch 2.x): VALIDATE with the store's magic
+# number, then PING with a nonce that the store sends back.
+STORE_VALIDATE = b"\x00" + struct.pack("<I", 0x3C85F7CE)
+STORE_PING = b"\x0d"
 
 
 class MasterUnreachable(Exception):
     """Nothing listened on the master's port within the timeout."""
+
+
+class NotAStore(Exception):
+    """Something answers on the master's port, but not as a PyTorch store."""
 
 
 class NodeZeroGaveUp(Exception):
@@ -54,6 +65,48 @@ def wait_until_listening(host: str, port: int, timeout_s: float) -> None:
         time.sleep(PORT_POLL_S)
 
 
+def store_handshake(host: str, port: int, timeout_s: float = HANDSHAKE_S) -> str | None:
+    """None when a PyTorch TCPStore answers on host:port as its own clients see it; else
+    how what answers there is not one, in words. The bytes sent are exactly those a store
+    client sends first, so a real store sees an ordinary client come and go. A connection
+    that fails here is left to the store client to report."""
+    nonce = struct.pack("<I", os.getpid() & 0xFFFFFFFF)
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s) as connection:
+            connection.sendall(STORE_VALIDATE + STORE_PING + nonce)
+            reply = receive(connection, len(nonce))
+            if reply == nonce:
+                return None
+            if reply:
+                connection.settimeout(0.5)  # the rest of its answer, if it says more
+                reply += receive(connection, 60)
+    except TimeoutError:
+        return f"it did not answer a PyTorch store's handshake within {timeout_s:g} s"
+    except OSError:
+        return None
+    if not reply:
+        return "it closed the connection at a PyTorch store's handshake"
+    first_line = reply.decode("ascii", errors="replace").splitlines()[0]
+    shown = "".join(char if char.isprintable() else "." for char in first_line)
+    return f"it answered {shown!r} to a PyTorch store's handshake"
+
+
+def receive(connection: socket.socket, size: int) -> bytes:
+    """Up to SIZE bytes, fewer if the peer closes or goes quiet (after the first)."""
+    data = b""
+    while len(data) < size:
+        try:
+            chunk = connection.recv(size - len(data))
+        except TimeoutError:
+            if data:
+                break
+            raise
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
 def open_store(
     host: str, port: int, node_rank: int, timeout_s: float, *, multi_tenant: bool = False
 ) -> TCPStore:
@@ -68,6 +121,11 @@ def open_store(
         )  # fmt: skip
     started = time.monotonic()
     wait_until_listening(host, port, timeout_s)
+    # A store client that meets another service retries for the whole timeout, and longer,
+    # printing C++ stack traces: find out first what answers.
+    service = store_handshake(host, port)
+    if service is not None:
+        raise NotAStore(service)
     left = max(5.0, timeout_s - (time.monotonic() - started))
     return TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=left))
 

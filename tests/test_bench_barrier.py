@@ -244,3 +244,38 @@ def test_nccl_barrier_is_an_all_reduce_timed_on_the_device():
     assert "all_reduce" in report["barrier"] and "synchronize" in report["barrier"]
     assert report["latency_us"]["p50"] > 0
     assert [row["size_bytes"] for row in report["collectives"]] == [4, 1 << 20]
+
+
+# --- long runs say how long they will take ---------------------------------------------------
+
+
+def test_a_long_latency_run_says_its_estimate_up_front_then_its_progress(capsys, monkeypatch):
+    from ddpcli.barrier import measure
+
+    monkeypatch.setattr(measure, "PROGRESS_EVERY_S", 0.05)
+    calls = []
+
+    def barrier() -> None:
+        calls.append(1)
+        time.sleep(0.001)
+
+    samples = measure.time_calls_with_progress(barrier, 200, warmup_ns=[1_000_000] * 5)
+    assert len(samples) == len(calls) == 200  # every call timed once, none added
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0].startswith("timing 200 barriers on each rank: about 0.2 s at 1000 µs each")
+    assert any(line.startswith("barriers: ") and " of 200 (" in line for line in lines[1:])
+    assert all("left" in line for line in lines[1:])
+
+
+def test_a_short_latency_run_says_nothing(capsys):
+    from ddpcli.barrier import measure
+
+    samples = measure.time_calls_with_progress(lambda: None, 50, warmup_ns=[])
+    assert len(samples) == 50 and capsys.readouterr().err == ""
+
+
+def test_durations_in_words():
+    from ddpcli.barrier.measure import duration_words
+
+    words = [duration_words(s) for s in (0.24, 45.4, 200, 7500)]
+    assert words == ["0.2 s", "45 s", "3 min 20 s", "2 h 5 min"]

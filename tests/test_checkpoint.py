@@ -479,3 +479,71 @@ def test_resume_warns_about_settings_that_change_the_result(saved):
     (warning,) = resume_warnings(payload, config, world_size=2)
     assert "lr 0.2 -> 0.5" in warning and "out" not in warning  # tinycnn's default: 0.2
     assert "written by 2 ranks" in resume_warnings(payload, payload["config"], 4)[0]
+
+
+# --- Verify's options, digests that are missing or unreadable, unusable destinations ----------
+
+
+@pytest.mark.parametrize(
+    ("flags", "words"),
+    [
+        (["--arch", "nosuchnet"], "invalid --arch: unknown model 'nosuchnet'"),
+        (["--num-classes", "-5"], "invalid --num-classes: a model has 1 class or more (got -5)"),
+        (["--num-classes", "0"], "invalid --num-classes: a model has 1 class or more (got 0)"),
+    ],
+)
+def test_verify_options_are_validated(saved, flags, words):
+    result = invoke("checkpoint", "verify", str(saved), *flags)
+    assert result.exit_code == 2, result.stderr
+    assert words in result.stderr
+
+
+def test_verify_without_a_digest_says_so_and_is_not_ok(saved):
+    sha256_path(saved).unlink()
+    result = invoke("checkpoint", "verify", str(saved))
+    assert result.exit_code == 1
+    assert f"no {saved.name}.sha256 beside the file" in result.stderr
+    assert ": OK" not in result.stderr
+
+
+def test_verify_with_a_garbage_digest_calls_it_unreadable(saved):
+    sha256_path(saved).write_text("this is not a digest\n")
+    result = invoke("checkpoint", "verify", str(saved))
+    assert result.exit_code == 1
+    assert "is unreadable: it holds no SHA-256 digest" in result.stderr
+    assert "changed after the save" not in result.stderr
+    assert digest_status(saved)["status"] == "unreadable"
+    inspected = json.loads(invoke("checkpoint", "inspect", str(saved), "--json").stdout)
+    assert inspected["digest"]["status"] == "unreadable"
+
+
+def test_convert_into_a_folder_is_exit_2_naming_it(saved, tmp_path):
+    folder = tmp_path / "converted"
+    folder.mkdir()
+    result = invoke("checkpoint", "convert", str(saved), str(folder))
+    assert result.exit_code == 2, result.stderr
+    assert f"invalid OUT: {folder} is a folder" in result.stderr
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    result = invoke("checkpoint", "convert", str(saved), str(blocked / "out.pt"))
+    assert result.exit_code == 2 and f"{blocked} is a file" in result.stderr
+
+
+def test_convert_onto_a_read_only_file_system_is_exit_2(saved, tmp_path):
+    import shutil
+
+    if not shutil.which("unshare") or os.geteuid() != 0:
+        pytest.skip("needs unshare and root for a read-only mount")
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    script = (
+        f"mount -t tmpfs -o ro none {folder} || exit 77; exec {sys.executable} -m ddpcli "
+        f"checkpoint convert {saved} {folder}/out.pt"
+    )
+    result = subprocess.run(
+        ["unshare", "-m", "sh", "-c", script], capture_output=True, text=True, timeout=60, cwd=REPO
+    )
+    if result.returncode == 77:
+        pytest.skip("cannot mount a read-only tmpfs here")
+    assert result.returncode == 2, result.stderr
+    assert "invalid OUT:" in result.stderr and "read-only file system" in result.stderr

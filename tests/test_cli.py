@@ -291,3 +291,86 @@ def test_progress_says_no_rate_before_the_timed_window_opens(capsys, monkeypatch
         bar.update(1, 2.3, 0.1, None)
         bar.bar.refresh()
     assert "-- img/s" in terminal.getvalue() and "0 img/s" not in terminal.getvalue()
+
+
+# --- Recipes: nothing ignored, nothing ambiguous, flags always win --------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "words"),
+    [
+        ("epochs = 7\n[train]\nper_gpu_batch = 8\n", "sets epochs outside its [train] table"),
+        ("[train]\nper-gpu-batch = 8\nper_gpu_batch = 16\n", "sets per_gpu_batch twice"),
+        ("[train]\nepochs = 2\n[data]\nworkers = 2\n", "sets data outside its [train] table"),
+    ],
+    ids=["key beside the table", "two spellings", "another table"],
+)
+def test_a_recipe_setting_that_would_be_ignored_or_ambiguous_is_exit_2(tmp_path, text, words):
+    from ddpcli.config import build_train_config
+    from ddpcli.errors import DdpcliError
+
+    recipe = tmp_path / "r.toml"
+    recipe.write_text(text)
+    with pytest.raises(DdpcliError) as refused:
+        build_train_config({}, recipe)
+    assert refused.value.exit_code == 2
+    assert refused.value.message.startswith("invalid --recipe:") and words in refused.value.message
+
+
+def test_a_binary_recipe_is_exit_2_naming_the_flag(tmp_path):
+    recipe = tmp_path / "model.pt"
+    recipe.write_bytes(b"PK\x03\x04\x14\x00\x00\x00\x08\x00\xff\xfe\x80\x81" * 16)
+    result = run_cli("train", "--recipe", str(recipe), "--dry-run", timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert "invalid --recipe:" in result.stderr and "not a text file" in result.stderr
+    assert "UnicodeDecodeError" not in result.stderr
+
+
+def test_a_flag_overrides_the_recipe_side_of_an_exclusion(tmp_path, monkeypatch):
+    """A recipe's `cpu = true` and `--gpus 0`: the flag wins; both in one place is an error
+    that says where each side came from."""
+    from typer.testing import CliRunner
+
+    from ddpcli.cli import app
+
+    for name in LAUNCHER_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr("ddpcli.resolve.physical_gpu_count", lambda: 2)  # a GPU machine
+    monkeypatch.setattr("ddpcli.machine.physical_gpu_count", lambda: 2)
+    recipe = tmp_path / "r.toml"
+    recipe.write_text("[train]\ncpu = true\n")
+
+    def train(*flags: str):
+        return CliRunner().invoke(
+            app, ["train", "--recipe", str(recipe), *flags, "--dry-run", "--json"]
+        )
+
+    overridden = train("--gpus", "0")
+    assert overridden.exit_code == 0, overridden.stderr
+    assert json.loads(overridden.stdout)["gpus"] == [0] and not json.loads(overridden.stdout)["cpu"]
+    both_flags = train("--gpus", "0", "--cpu")
+    assert both_flags.exit_code == 2
+    assert "--cpu from the command line; --gpus from the command line" in both_flags.stderr
+    recipe.write_text('[train]\ncpu = true\ngpus = "0"\n')
+    both_in_recipe = train()
+    assert both_in_recipe.exit_code == 2
+    assert f"--cpu from recipe {recipe}; --gpus from recipe {recipe}" in both_in_recipe.stderr
+
+
+@pytest.mark.parametrize("timeout", ["0.001", "0", "-3"])
+def test_a_timeout_below_a_second_is_exit_2(timeout):
+    from ddpcli.config import build_train_config
+    from ddpcli.errors import DdpcliError
+
+    with pytest.raises(DdpcliError) as refused:
+        build_train_config({"timeout": float(timeout)}, None)
+    assert refused.value.exit_code == 2
+    assert refused.value.message.startswith("invalid --timeout: at least 1 s")
+
+
+def test_overwrite_is_a_setting_with_its_no_form(tmp_path):
+    result = run_cli(
+        "train", "--cpu", "--overwrite", "--out", str(tmp_path), "--dry-run", "--json", timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["overwrite"] is True

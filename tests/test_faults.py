@@ -170,6 +170,30 @@ def test_sigkill_mid_epoch_stops_every_worker_and_names_the_rank(tmp_path):
     assert_no_worker_left(out)
 
 
+def test_a_stopped_rank_is_named_as_unresponsive_not_out_of_memory(tmp_path):
+    """SIGSTOP: the others time out at a collective after --timeout; the agent then kills the
+    stopped rank (SIGKILL, as it cannot act on SIGTERM). That is not an out-of-memory kill."""
+    out = tmp_path / "run"
+    args = ["train", *LONG_EPOCHS, "--nproc", "2", "--epochs", "2", "--log-every", "1"]
+    with Background(*args, "--timeout", "5", "--out", str(out)) as run:
+        run.wait_for("epoch 1/2 step 2/")
+        workers = child_workers(run.process.pid)
+        os.kill(workers[1], signal.SIGSTOP)
+        try:
+            code = run.finish(timeout=120)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(workers[1], signal.SIGCONT)
+    assert code == 1, run.stderr[-3000:]
+    host = socket.gethostname()
+    assert f"rank 1 on {host} stopped responding: rank 0 waited for it" in run.stderr, run.stderr[
+        -3000:
+    ]
+    assert "--timeout (5 s)" in run.stderr
+    assert "out of memory" not in run.stderr
+    assert_no_worker_left(out)
+
+
 @pytest.mark.parametrize("init", ["env", "file"])
 def test_sigkill_with_max_restarts_resumes_from_last_checkpoint(tmp_path, init):
     """The restarted workers meet in the store (env://) or file (file://) the dead ones used;

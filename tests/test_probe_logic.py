@@ -619,6 +619,69 @@ def test_try_connect_and_wait_until_listening():
         rollcall.wait_until_listening("127.0.0.1", port, 0.0)
 
 
+class OtherService:
+    """A TCP service that is not a PyTorch store: it answers anything with an HTTP error."""
+
+    def __init__(self, reply: bytes = b"HTTP/1.0 400 Bad Request\r\n\r\n") -> None:
+        import threading
+
+        self.listener = socket.socket()
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen()
+        self.port = self.listener.getsockname()[1]
+        self.reply = reply
+        threading.Thread(target=self.serve, daemon=True).start()
+
+    def serve(self) -> None:
+        while True:
+            try:
+                connection, _ = self.listener.accept()
+            except OSError:
+                return
+            with connection:
+                connection.recv(64)
+                connection.sendall(self.reply)
+
+    def __enter__(self) -> OtherService:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.listener.close()
+
+
+def test_store_handshake_tells_a_pytorch_store_from_another_service():
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, multi_tenant=True)
+    assert rollcall.store_handshake("127.0.0.1", store.port) is None
+    store.set("still", "works")  # the handshake left the store as it was
+    with OtherService() as service:
+        said = rollcall.store_handshake("127.0.0.1", service.port)
+        assert said == "it answered 'HTTP/1.0 400 Bad Request' to a PyTorch store's handshake"
+        with pytest.raises(rollcall.NotAStore):
+            rollcall.open_store("127.0.0.1", service.port, 1, 5.0)
+
+
+def test_probe_names_a_non_pytorch_service_on_the_master_port():
+    with OtherService() as service:
+        joining = plan(master_addr="127.0.0.1", master_port=service.port, join_timeout=5.0)
+        store, _, row = probe.probe_store(joining, progress=lambda line: None)
+    assert store is None and row.status == "fail"
+    assert f"a non-PyTorch service answers at 127.0.0.1:{service.port}" in row.detail
+    assert "HTTP/1.0 400 Bad Request" in row.detail and "--master-port" in row.fix
+
+
+def test_a_node_of_train_names_a_non_pytorch_service_on_the_master_port():
+    with OtherService() as service:
+        job = launch.WorkerJob(
+            module="m", args=[], nproc_per_node=1, nnodes=2, node_rank=1,
+            master_addr="127.0.0.1", master_port=service.port, timeout_s=5.0,
+        )  # fmt: skip
+        with pytest.raises(DdpcliError) as failed:
+            launch.roll_call(job)
+    assert f"node 1: a non-PyTorch service answers at 127.0.0.1:{service.port}" in str(failed.value)
+
+
 def test_join_nodes_when_every_node_came():
     store = FakeStore({"probe/node/0": json.dumps(NODE0)})
     nodes, row = probe.join_nodes(store, plan(), NODE1)

@@ -10,11 +10,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ddpcli import ui
 from ddpcli.barrier.rank import BenchRank, gather_to_rank0
 from ddpcli.config import BarrierConfig
 from ddpcli.dist import DistContext
 from ddpcli.timing import bandwidth_gbps, percentiles_us, synchronize, time_calls_ns
 
+PROGRESS_EVERY_S = 10.0  # a long latency run says how far it is this often (rank 0)
+ESTIMATE_CALLS = 100  # without a warm-up, the first calls timed give the estimate
 COLLECTIVE_BYTES_PER_SIZE = 512 << 20  # big messages run fewer iterations: about this much each
 MIN_COLLECTIVE_ITERS = 3
 
@@ -34,8 +37,12 @@ def barrier_call(ctx: DistContext) -> Callable[[], Any]:
 
 def measure_latency(bench: BenchRank, cfg: BarrierConfig) -> dict | None:
     barrier_once = barrier_call(bench.ctx)
-    time_calls_ns(barrier_once, cfg.warmup)
-    samples_us = np.asarray(time_calls_ns(barrier_once, cfg.iters), dtype=np.float64) / 1e3
+    warmup_ns = time_calls_ns(barrier_once, cfg.warmup)
+    if bench.ctx.is_main:
+        samples_ns = time_calls_with_progress(barrier_once, cfg.iters, warmup_ns)
+    else:  # every rank makes the same calls; only how rank 0 splits them differs
+        samples_ns = time_calls_ns(barrier_once, cfg.iters)
+    samples_us = np.asarray(samples_ns, dtype=np.float64) / 1e3
     everyone = gather_to_rank0(bench, samples_us)
     if everyone is None:
         return None
@@ -43,6 +50,50 @@ def measure_latency(bench: BenchRank, cfg: BarrierConfig) -> dict | None:
     overall = percentiles_us(np.concatenate(everyone))
     overall.update(iters=cfg.iters, warmup=cfg.warmup)
     return {"latency_us": overall, "latency_us_per_rank": per_rank}
+
+
+def time_calls_with_progress(
+    call: Callable[[], Any], count: int, warmup_ns: list[int]
+) -> list[int]:
+    """time_calls_ns(call, count), in pieces of about PROGRESS_EVERY_S: a run estimated to
+    take longer than that says so up front (from the warm-up's pace), then how far it is."""
+    samples: list[int] = []
+    if not warmup_ns:
+        samples += time_calls_ns(call, min(count, ESTIMATE_CALLS))
+    paced = warmup_ns or samples
+    per_call_s = max(float(np.median(paced)) / 1e9, 1e-9) if paced else 0.0
+    if per_call_s * count <= PROGRESS_EVERY_S:
+        return samples + time_calls_ns(call, count - len(samples))
+    ui.info(
+        f"timing {count:,} barriers on each rank: about {duration_words(per_call_s * count)} "
+        f"at {per_call_s * 1e6:.0f} µs each (the pace of the first calls); progress every "
+        f"{PROGRESS_EVERY_S:g} s"
+    )
+    piece, done_before, started = max(1, int(PROGRESS_EVERY_S / per_call_s)), len(samples), clock()
+    while len(samples) < count:
+        samples += time_calls_ns(call, min(piece, count - len(samples)))
+        elapsed = clock() - started
+        pace_s = elapsed / (len(samples) - done_before)  # the pace so far sets the next piece
+        piece = max(1, int(PROGRESS_EVERY_S / pace_s))
+        left_s = pace_s * (count - len(samples))
+        if len(samples) < count:
+            ui.info(
+                f"barriers: {len(samples):,} of {count:,} ({len(samples) / count:.0%}) · "
+                f"{duration_words(elapsed)} in · about {duration_words(left_s)} left"
+            )
+    return samples
+
+
+def duration_words(seconds: float) -> str:
+    """0.2 s, 45 s, 3 min 20 s, 2 h 5 min."""
+    if seconds < 10:
+        return f"{seconds:.1f} s"
+    seconds = round(seconds)
+    if seconds < 60:
+        return f"{seconds} s"
+    if seconds < 3600:
+        return f"{seconds // 60} min {seconds % 60} s"
+    return f"{seconds // 3600} h {seconds % 3600 // 60} min"
 
 
 # --- Collectives, measured the way nccl-tests measures them -------------------------------

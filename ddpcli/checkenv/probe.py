@@ -35,7 +35,7 @@ from ddpcli.checkenv.probe_rows import (
 from ddpcli.checkenv.report import Row, fail, ok
 from ddpcli.config.checkenv import CheckEnvOptions
 from ddpcli.errors import first_line
-from ddpcli.rollcall import RollCall, open_store
+from ddpcli.rollcall import NotAStore, RollCall, open_store
 
 if TYPE_CHECKING:
     from torch.distributed import Store, TCPStore
@@ -116,22 +116,31 @@ def probe_store(
         except Exception as error:
             return None, port, busy_port_row(port, error)
         return store, store.port, ok("port open", f"the store listens on port {store.port}")
-    target = f"{plan.master_addr}:{plan.master_port}"
+    port = plan.master_port or 0  # a joining node always has one (probe_plan)
+    target = f"{plan.master_addr}:{port}"
     progress(f"probe: waiting up to {plan.join_timeout:g}s for node 0's store at {target}")
     started = time.monotonic()
     try:
-        store = open_store(plan.master_addr, plan.master_port, plan.node_rank, plan.join_timeout)
+        store = open_store(plan.master_addr, port, plan.node_rank, plan.join_timeout)
+    except NotAStore as service:
+        row = fail(
+            "port open",
+            f"a non-PyTorch service answers at {target}, not node 0's probe ({service})",
+            "another service uses that port: give every node the same free --master-port, and "
+            "check that --master-addr is node 0's",
+        )
+        return None, port, row
     except Exception as error:
         row = fail(
             "port open",
             f"could not reach node 0 at {target} within {plan.join_timeout:g}s: "
             f"{first_line(error)}",
             "start the probe on node 0 (--node-rank 0) too; check --master-addr, the route to "
-            f"it and that TCP port {plan.master_port} is open",
+            f"it and that TCP port {port} is open",
         )
-        return None, plan.master_port, row
+        return None, port, row
     elapsed = time.monotonic() - started
-    return store, plan.master_port, ok("port open", f"reached {target} after {elapsed:.1f}s")
+    return store, port, ok("port open", f"reached {target} after {elapsed:.1f}s")
 
 
 def busy_port_row(port: int, error: Exception) -> Row:

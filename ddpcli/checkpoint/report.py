@@ -18,8 +18,8 @@ from ddpcli.checkpoint.loading import (
     strip_ddp_prefix,
 )
 from ddpcli.checkpoint.schema import FORMAT, TRAINING_KEYS, checkpoint_kind, weights_only_payload
-from ddpcli.errors import first_line, usage_error
-from ddpcli.files import atomic_save, digest_status, sha256_path
+from ddpcli.errors import first_line, runtime_error, usage_error
+from ddpcli.files import atomic_save, digest_status, folder_write_problem, sha256_path
 
 BATCHNORM_STATISTICS = ("running_mean", "running_var", "num_batches_tracked")
 
@@ -134,10 +134,22 @@ def verify_checkpoint(
 
 
 def _check_digest(path: Path) -> dict[str, str]:
+    """The bytes against the SHA-256 recorded at the save. Without a readable record they
+    cannot be checked, and a verification that could not check them does not pass."""
     status = digest_status(path)
+    sidecar = sha256_path(path).name
     if status["status"] == "missing":
-        detail = f"no {sha256_path(path).name} beside the file; bytes not checked"
-        return {"check": "sha256", "status": "skip", "detail": detail}
+        detail = (
+            f"no {sidecar} beside the file, so its bytes cannot be checked (ddpcli records one "
+            "with every save: copy it along with the checkpoint)"
+        )
+        return {"check": "sha256", "status": "fail", "detail": detail}
+    if status["status"] == "unreadable":
+        detail = (
+            f"{sidecar} is unreadable: it holds no SHA-256 digest, so the bytes cannot be "
+            "checked (it was damaged or replaced; the checkpoint itself may be fine)"
+        )
+        return {"check": "sha256", "status": "fail", "detail": detail}
     if status["status"] == "mismatch":
         detail = (
             f"file is {status['sha256'][:16]}…, the save recorded {status['recorded'][:16]}…: "
@@ -215,7 +227,7 @@ def build_model_skeleton(arch: str, num_classes: int | None) -> torch.nn.Module:
     from ddpcli.models import build_model
 
     with torch.device("meta"):
-        return build_model(arch, num_classes or 1000)
+        return build_model(arch, 1000 if num_classes is None else num_classes)
 
 
 # --- Converting --------------------------------------------------------------------------
@@ -229,6 +241,7 @@ def convert_checkpoint(
     path, out = Path(path), Path(out)
     if out.resolve() == path.resolve():
         raise usage_error(f"OUT must differ from PATH: converting {path} in place would lose it")
+    check_writable_file(out)
     payload = safe_load(path, lazy=True)
     state = model_state(payload)
     if state is None:
@@ -238,7 +251,10 @@ def convert_checkpoint(
     is_ours = isinstance(payload, dict) and payload.get("format") == FORMAT
     keep_metadata = weights_only and is_ours
     document = weights_only_payload(payload, state) if keep_metadata else dict(state)
-    digest = atomic_save(document, out)
+    try:
+        digest = atomic_save(document, out)
+    except OSError as error:  # the disk filled, or the folder changed since the check
+        raise runtime_error(f"could not write {out}: {error.strerror}") from None
     saved = training_summary(payload) if is_ours else {}
     arch, classes = saved.get("arch"), saved.get("num_classes") or infer_num_classes(state)
     return {
@@ -254,6 +270,17 @@ def convert_checkpoint(
         "sha256": digest,
         "load_hint": load_hint(arch, classes, out, nested=keep_metadata),
     }
+
+
+def check_writable_file(out: Path) -> None:
+    """OUT names a file in a folder this process can write in: else exit 2 naming it."""
+    if out.is_dir():
+        raise usage_error(
+            f"invalid OUT: {out} is a folder; give a file name, e.g. {out / 'model.pt'}"
+        )
+    problem = folder_write_problem(out.parent)
+    if problem:
+        raise usage_error(f"invalid OUT: cannot write {out}: {problem}")
 
 
 def load_hint(arch: str | None, num_classes: int | None, out: Path, nested: bool) -> str:

@@ -14,7 +14,7 @@ import typer
 from ddpcli import ui
 from ddpcli.cli.app import checkpoint_app, run_command
 from ddpcli.cli.options import option
-from ddpcli.errors import runtime_error
+from ddpcli.errors import runtime_error, usage_error
 
 CheckpointPath = Annotated[Path, typer.Argument(help="A checkpoint file (.pt).")]
 JsonFlag = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout.")]
@@ -62,6 +62,7 @@ def verify(
     cannot be read safely at all."""
 
     def action() -> None:
+        check_verify_options(arch, num_classes)
         from ddpcli.checkpoint.report import verify_checkpoint
 
         report = verify_checkpoint(path, arch=arch, num_classes=num_classes)
@@ -77,6 +78,16 @@ def verify(
             ui.info(f"{path}: OK")
 
     run_command(action)
+
+
+def check_verify_options(arch: str | None, num_classes: int | None) -> None:
+    """A model the check cannot build is bad input, not a verdict on the file: exit 2."""
+    from ddpcli.archs import check_arch
+
+    if arch is not None:
+        check_arch(arch)
+    if num_classes is not None and num_classes < 1:
+        raise usage_error(f"invalid --num-classes: a model has 1 class or more (got {num_classes})")
 
 
 @checkpoint_app.command("convert")
@@ -194,6 +205,8 @@ def progress_words(report: dict[str, Any]) -> str:
 def digest_words(digest: dict[str, Any]) -> str:
     if digest["status"] == "missing":
         return "not recorded (no .sha256 beside the file)"
+    if digest["status"] == "unreadable":
+        return "unreadable (the .sha256 beside the file holds no digest)"
     if digest["status"] == "mismatch":
         return f"MISMATCH: file {digest['sha256'][:16]}…, recorded {digest['recorded'][:16]}…"
     return f"ok {digest['sha256'][:16]}…"

@@ -188,6 +188,14 @@ def train(
             default="none: a fresh start",
         ),
     ] = None,
+    overwrite: Annotated[
+        bool | None,
+        train_option(
+            "overwrite",
+            "Clear an earlier run's metrics and checkpoints from --out first.",
+            OUTPUT,
+        ),
+    ] = None,
     save_every_steps: Annotated[
         int | None,
         train_option(
@@ -222,16 +230,25 @@ def train(
 
     def action() -> None:
         from ddpcli.config import build_train_config
+        from ddpcli.config.train import train_setting_origins, with_origins
         from ddpcli.environments import read_launcher_env
+        from ddpcli.errors import DdpcliError
         from ddpcli.resolve import resolve_train_config
 
-        cfg = resolve_train_config(build_train_config(flags, recipe), read_launcher_env())
+        launcher = read_launcher_env()
+        cfg = build_train_config(flags, recipe)
+        try:
+            cfg = resolve_train_config(cfg, launcher)
+        except DdpcliError as error:  # name where each setting it names came from
+            raise with_origins(error, train_setting_origins(flags, recipe)) from None
         if dry_run:
             show_config(cfg, json_output)
             return
         from ddpcli.checkpoint.schema import check_resume_source
         from ddpcli.launch import launch_train
+        from ddpcli.runfolder import continue_after_requeue
 
+        cfg = continue_after_requeue(cfg, launcher)
         check_resume_source(cfg)  # a bad --resume file: exit 2 now, before any worker starts
         summary = launch_train(cfg, debug=_state["debug"])
         report_training(cfg, summary, json_output)

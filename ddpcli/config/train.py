@@ -11,7 +11,7 @@ import math
 import os
 import re
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -27,7 +27,7 @@ from ddpcli.config.common import (
     given,
     validated,
 )
-from ddpcli.errors import usage_error
+from ddpcli.errors import DdpcliError, usage_error
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -38,6 +38,8 @@ else:  # pragma: no cover
 # is handed to PATH.rankN, one JSON line per batch. A debugging aid, and the evidence the
 # resume tests use that no sample is trained twice or missed (docs/checkpoints.md).
 TRACE_SAMPLES_VARIABLE = "DDPCLI_TRACE_SAMPLES"
+# Below a second no rank can even join: init and every collective are bounded by --timeout.
+MIN_TIMEOUT_S = 1.0
 
 LrScaling = Literal["linear", "sqrt", "none"]
 
@@ -127,11 +129,12 @@ class TrainConfig(BaseModel):
     master_port: int | None = Field(None, ge=1, le=65535)
     init_method: str | None = None
     ifname: str | None = None
-    timeout: float = Field(300.0, gt=0, description="seconds for init and every collective")
+    timeout: float = Field(300.0, description="seconds for init and every collective")
     max_restarts: int = Field(0, ge=0)
     # outputs
     out: Path | None = None
     resume: str | None = None
+    overwrite: bool = False
     save_every_steps: int | None = Field(None, ge=1)
     keep_last: int = Field(3, ge=0)
     log_dir: Path | None = None
@@ -170,6 +173,16 @@ class TrainConfig(BaseModel):
             return {**data, "lr": default_lr(data["arch"])}
         return data
 
+    @field_validator("timeout")
+    @classmethod
+    def _timeout_floor(cls, value: float) -> float:
+        if not value >= MIN_TIMEOUT_S:
+            raise ValueError(
+                f"at least {MIN_TIMEOUT_S:g} s: it bounds the start-up and every collective, "
+                "and in less no rank can even join"
+            )
+        return value
+
     @model_validator(mode="after")
     def _consistent(self) -> TrainConfig:
         check_node_rank(self.node_rank, self.nnodes)
@@ -179,6 +192,11 @@ class TrainConfig(BaseModel):
             raise ValueError(f"invalid --data-dir: --dataset {self.dataset} needs --data-dir DIR")
         if self.strategy == "balanced-dp" and self.gpu0_batch is None:
             raise ValueError("invalid --gpu0-batch: --strategy balanced-dp needs --gpu0-batch N")
+        if self.overwrite and self.resume == "auto":
+            raise ValueError(
+                "invalid --overwrite: it clears --out's earlier run, and --resume auto "
+                "continues it; pick one"
+            )
         return self
 
     # Values derived from the config, never stored twice.
@@ -253,28 +271,128 @@ def _resolved(value: Value | None, name: str) -> Value:
 
 def load_recipe(path: Path) -> dict[str, Any]:
     """A recipe is a TOML file of flag names (`per_gpu_batch = 32` or `per-gpu-batch = 32`),
-    at the top level or under a `[train]` table."""
+    at the top level or under a `[train]` table. Beside a `[train]` table nothing else may
+    stand (it would be ignored), and each setting is given once, in either spelling."""
     try:
         with open(path, "rb") as handle:
             data = tomllib.load(handle)
     except FileNotFoundError:
-        raise usage_error(f"recipe {path} does not exist; see recipes/ for examples") from None
+        raise usage_error(
+            f"invalid --recipe: {path} does not exist; see recipes/ for examples"
+        ) from None
+    except IsADirectoryError:
+        raise usage_error(f"invalid --recipe: {path} is a folder; give a TOML file") from None
+    except UnicodeDecodeError:
+        raise usage_error(
+            f"invalid --recipe: {path} is not a text file (a recipe is TOML, in UTF-8); "
+            "see recipes/ for examples"
+        ) from None
     except (OSError, tomllib.TOMLDecodeError) as error:
-        raise usage_error(f"recipe {path} is not readable TOML: {error}") from None
-    table = data.get("train", data)
-    if not isinstance(table, dict):
-        raise usage_error(f"recipe {path}: [train] must be a table of settings")
-    return {key.replace("-", "_"): value for key, value in table.items()}
+        raise usage_error(f"invalid --recipe: {path} is not readable TOML: {error}") from None
+    if "train" not in data:
+        return recipe_settings(data, path)
+    outside = [key for key in data if key != "train"]
+    if outside:
+        raise usage_error(
+            f"invalid --recipe: {path} sets {', '.join(outside)} outside its [train] table, "
+            "where it would be ignored; move it under [train]"
+        )
+    if not isinstance(data["train"], dict):
+        raise usage_error(f"invalid --recipe: {path}: [train] must be a table of settings")
+    return recipe_settings(data["train"], path)
+
+
+def recipe_settings(table: dict[str, Any], path: Path) -> dict[str, Any]:
+    """Field name -> value; one setting given in both spellings is refused, not resolved."""
+    settings: dict[str, Any] = {}
+    spelled: dict[str, str] = {}
+    for key, value in table.items():
+        name = key.replace("-", "_")
+        if name in settings:
+            raise usage_error(
+                f"invalid --recipe: {path} sets {name} twice ({spelled[name]} and {key}); keep one"
+            )
+        settings[name], spelled[name] = value, key
+    return settings
+
+
+def _is_true(value: Any) -> bool:
+    return value is True
+
+
+def _is_given(value: Any) -> bool:
+    return value is not None
+
+
+# Settings that exclude each other, (field, "set" test) on each side. When the command line
+# sets one side and the recipe the other, the flag wins: the recipe's side is dropped.
+EXCLUSIONS: tuple[tuple[str, Callable[[Any], bool], str, Callable[[Any], bool]], ...] = (
+    ("cpu", _is_true, "gpus", _is_given),
+    ("compile", _is_true, "strategy", lambda strategy: strategy in ("dp", "balanced-dp")),
+    ("gpu0_batch", _is_given, "strategy", lambda strategy: strategy != "balanced-dp"),
+)
+
+
+def without_overridden(from_recipe: dict[str, Any], from_flags: dict[str, Any]) -> dict[str, Any]:
+    """The recipe's settings less those a flag excludes: a flag always overrides the recipe."""
+    kept = dict(from_recipe)
+    for first, first_set, second, second_set in EXCLUSIONS:
+        for flag, flag_set, other, other_set in (
+            (first, first_set, second, second_set),
+            (second, second_set, first, first_set),
+        ):
+            if (
+                flag in from_flags
+                and flag_set(from_flags[flag])
+                and other in kept
+                and other not in from_flags
+                and other_set(kept[other])
+            ):
+                del kept[other]
+    return kept
+
+
+def setting_origins(
+    from_recipe: dict[str, Any], from_flags: dict[str, Any], recipe: Path | None
+) -> dict[str, str]:
+    """Field name -> where the value in effect came from, in words; {} without a recipe
+    (every setting then comes from the command line)."""
+    if recipe is None:
+        return {}
+    origins = {name: f"recipe {recipe}" for name in without_overridden(from_recipe, from_flags)}
+    origins.update(dict.fromkeys(from_flags, "the command line"))
+    return origins
+
+
+def train_setting_origins(flags: dict[str, Any], recipe: Path | None) -> dict[str, str]:
+    """Where each given setting of `ddpcli train` came from (for errors found later)."""
+    return setting_origins(load_recipe(recipe) if recipe else {}, given(flags), recipe)
+
+
+def with_origins(error: DdpcliError, origins: dict[str, str]) -> DdpcliError:
+    """ERROR with, on each line, where every setting it names came from (`invalid --cpu:
+    ... (--cpu from recipe r.toml; --gpus from the command line)`)."""
+    lines = []
+    for line in error.message.splitlines():
+        flags = dict.fromkeys(re.findall(r"--([a-z0-9-]+)", line))
+        notes = [
+            f"--{flag} from {origins[name]}"
+            for flag in flags
+            if (name := flag.replace("-", "_")) in origins
+        ]
+        lines.append(f"{line} ({'; '.join(notes)})" if notes else line)
+    return DdpcliError("\n".join(lines), error.exit_code)
 
 
 def build_train_config(
     flags: dict[str, Any], recipe: Path | None, environ: Mapping[str, str] | None = None
 ) -> TrainConfig:
     """Defaults < recipe < flags; flags left at None mean "not given"."""
-    values = load_recipe(recipe) if recipe else {}
-    values.update(given(flags))
+    from_recipe = load_recipe(recipe) if recipe else {}
+    from_flags = given(flags)
+    values = {**without_overridden(from_recipe, from_flags), **from_flags}
     if "peak_lr" in values:
-        where = f"recipe {recipe}" if recipe else "the flags"
+        where = f"recipe {recipe}" if recipe and "peak_lr" in from_recipe else "the flags"
         raise usage_error(
             f"{where}: peak_lr is not a setting; the run computes it from lr, lr_base_batch "
             'and lr_scaling (set lr_scaling = "none" to use lr as given)'
@@ -282,4 +400,7 @@ def build_train_config(
     env = os.environ if environ is None else environ
     if env.get(TRACE_SAMPLES_VARIABLE):
         values.setdefault("trace_samples", Path(env[TRACE_SAMPLES_VARIABLE]))
-    return validated(TrainConfig, values)
+    try:
+        return validated(TrainConfig, values)
+    except DdpcliError as error:
+        raise with_origins(error, setting_origins(from_recipe, from_flags, recipe)) from None

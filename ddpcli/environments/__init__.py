@@ -16,7 +16,7 @@ from ddpcli.environments.world import LauncherEnv
 # torchrun first: under `srun torchrun ...` both are set, and torchrun made the workers.
 ENVIRONMENTS = (torchrun, slurm)
 
-__all__ = ["ENVIRONMENTS", "LauncherEnv", "read_launcher_env"]
+__all__ = ["ENVIRONMENTS", "LauncherEnv", "read_launcher_env", "restarted_by"]
 
 
 def read_launcher_env(environ: Mapping[str, str] | None = None) -> LauncherEnv | None:
@@ -26,4 +26,15 @@ def read_launcher_env(environ: Mapping[str, str] | None = None) -> LauncherEnv |
         found = environment.detect(env)
         if found is not None:
             return found
+    return None
+
+
+def restarted_by(environ: Mapping[str, str] | None = None) -> str | None:
+    """`SLURM_RESTART_COUNT=1` when a scheduler requeued this job, or an agent restarted its
+    workers, and so started this same command again; None on a first start."""
+    env = os.environ if environ is None else environ
+    for environment in ENVIRONMENTS:
+        count = env.get(environment.RESTART_VARIABLE, "")
+        if count.isdigit() and int(count) > 0:
+            return f"{environment.RESTART_VARIABLE}={count}"
     return None

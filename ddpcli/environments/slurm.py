@@ -8,6 +8,9 @@ from collections.abc import Mapping
 
 from ddpcli.environments.world import LauncherEnv
 
+# Set by SLURM when it requeues a job (`--requeue`, a preemption): how often it has.
+RESTART_VARIABLE = "SLURM_RESTART_COUNT"
+
 
 def detect(env: Mapping[str, str]) -> LauncherEnv | None:
     if "SLURM_PROCID" not in env or int(env.get("SLURM_NTASKS", "1")) <= 1:

@@ -7,6 +7,9 @@ from collections.abc import Mapping
 
 from ddpcli.environments.world import LauncherEnv
 
+# Set by torchrun's agent in each worker: how often it has restarted the workers.
+RESTART_VARIABLE = "TORCHELASTIC_RESTART_COUNT"
+
 
 def detect(env: Mapping[str, str]) -> LauncherEnv | None:
     if "RANK" not in env or "WORLD_SIZE" not in env:
@@ -20,7 +23,7 @@ def detect(env: Mapping[str, str]) -> LauncherEnv | None:
         node_rank=int(env.get("GROUP_RANK", env.get("NODE_RANK", 0))),
         master_addr=env.get("MASTER_ADDR"),
         master_port=int(env["MASTER_PORT"]) if env.get("MASTER_PORT") else None,
-        restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", 0)),
+        restart_count=int(env.get(RESTART_VARIABLE, 0)),
         launcher="elastic" if "TORCHELASTIC_RUN_ID" in env else "env",
         agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
     )
