@@ -32,7 +32,7 @@ TRAINING_KEYS = (
 RESULT_SETTINGS = (
     "arch", "dataset", "image_size", "synthetic_size", "epochs", "per_gpu_batch", "accumulate",
     "lr", "momentum", "weight_decay", "warmup_epochs", "label_smoothing", "seed", "precision",
-    "max_steps",
+    "max_steps", "augment",
 )  # fmt: skip
 
 
