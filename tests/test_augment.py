@@ -4,6 +4,8 @@ on the loader and device paths, and validation's resize-then-centre-crop on both
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from conftest import run_cli
@@ -239,3 +241,5 @@ def test_augment_flag_shows_its_choices_and_rejects_others(tmp_path):
     assert "[auto|rrc|crop-flip|none]" in row and "[default: auto]" in row
     bad = run_cli("train", "--augment", "mixup", "--dry-run", "--out", str(tmp_path))
     assert bad.returncode == 2 and "--augment" in bad.stderr and "Traceback" not in bad.stderr
+    resolved = run_cli("train", "--dry-run", "--json", "--out", str(tmp_path))
+    assert json.loads(resolved.stdout)["augment"] == "crop-flip"  # what ran, in config.json
