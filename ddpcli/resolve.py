@@ -13,6 +13,7 @@ from typing import Any
 
 from ddpcli.archs import check_arch
 from ddpcli.config import TrainConfig
+from ddpcli.data.augment import training_augment
 from ddpcli.data.sets import STL10_SIDE, check_data_source
 from ddpcli.environments import LauncherEnv
 from ddpcli.errors import usage_error
@@ -41,6 +42,7 @@ def resolve_train_config(cfg: TrainConfig, launcher: LauncherEnv | None) -> Trai
     if values["image_size"] is None:
         folder_size = IMAGEFOLDER_SIZE["gpu" if on_gpu else "cpu"]
         values["image_size"] = NATIVE_IMAGE_SIZE.get(cfg.dataset, folder_size)
+    values["augment"] = training_augment(cfg.augment, cfg.dataset)
     values["out"] = values["out"] or default_out_dir()
     check_writable_folder(values["out"], "--out")
     if values["log_dir"] is not None:

@@ -141,7 +141,7 @@ def test_batched_and_per_image_augmentation_give_the_same_pixels():
     image_set = sets.ImageSet(images, torch.arange(9))
     indices = [4, 0, 8, 2, 7]
     batches = device.DeviceResidentBatches(
-        image_set, indices, 5, torch.device("cpu"), [0, 0, 0], [1, 1, 1], True, seed=3, epoch=2
+        image_set, indices, 5, torch.device("cpu"), [0, 0, 0], [1, 1, 1], "crop-flip", 3, 2
     )
     batched, _ = next(iter(batches))
     for row, index in enumerate(indices):

@@ -233,7 +233,7 @@ def test_device_batches_drop_only_the_partial_last_one():
 
     def sizes(drop_last: bool) -> list[int]:
         batches = DeviceResidentBatches(
-            images, list(range(10)), 4, cpu, [0, 0, 0], [1, 1, 1], False, 0, 0, False, drop_last
+            images, list(range(10)), 4, cpu, [0, 0, 0], [1, 1, 1], "none", 0, 0, False, drop_last
         )
         got = [len(labels) for _, labels in batches]
         assert len(got) == len(batches)

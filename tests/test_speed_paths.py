@@ -85,10 +85,13 @@ def test_loader_workers_persist_across_epochs(tmp_path):
 
 
 def test_image_folder_decoded_to_device_matches_the_streaming_loader(tmp_path):
+    # Bit for bit with crop-flip; the random-resized crop's paths agree within interpolation
+    # (tests/test_augment.py).
     write_image_folder(tmp_path / "imgs", per_class=6)
     cfg = tiny_config(
-        tmp_path / "out", dataset="imagefolder", data_dir=tmp_path / "imgs", per_gpu_batch=4
-    )
+        tmp_path / "out", dataset="imagefolder", data_dir=tmp_path / "imgs", per_gpu_batch=4,
+        augment="crop-flip",
+    )  # fmt: skip
     ctx = context()
     device_path, loader_path = pipeline(cfg, ctx, True), pipeline(cfg, ctx, False)
     assert device_path.mean == loader_path.mean == IMAGENET_MEAN

@@ -33,7 +33,7 @@ TRAINING_KEYS = (
 RESULT_SETTINGS = (
     "arch", "dataset", "image_size", "synthetic_size", "epochs", "per_gpu_batch", "accumulate",
     "lr", "lr_base_batch", "lr_scaling", "momentum", "weight_decay", "warmup_epochs",
-    "label_smoothing", "seed", "precision",
+    "label_smoothing", "seed", "precision", "augment",
 )  # fmt: skip
 
 

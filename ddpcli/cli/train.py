@@ -68,6 +68,16 @@ def train(
         train_option("workers", panel=DATA, default="CPU cores per local rank - 1, at most 8"),
     ] = None,
     skip_bad_images: Annotated[bool | None, train_option("skip_bad_images", panel=DATA)] = None,
+    augment: Annotated[
+        str | None,
+        train_option(
+            "augment",
+            "Training augmentation. rrc: random-resized crop (area 8-100%, aspect 3/4-4/3) "
+            "and flip; crop-flip: 4 px padded crop and flip; none. auto: rrc for image "
+            "folders, crop-flip for synthetic/stl10. Validation is the same for all.",
+            DATA,
+        ),
+    ] = None,
     arch: Annotated[
         str | None,
         train_option(

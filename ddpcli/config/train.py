@@ -96,6 +96,7 @@ class TrainConfig(BaseModel):
         "summary.json) instead of stopping; the loader path then decodes each image once "
         "before training to find them",
     )
+    augment: Literal["auto", "rrc", "crop-flip", "none"] = "auto"
     # model and optimisation
     arch: str | None = None
     epochs: int = Field(5, ge=1)

@@ -1,15 +1,45 @@
 """Augmentation as a pure function of (seed, epoch, sample index): a sample's crop and flip
 never depend on which rank sees it, in which batch, or after a resume. Both data paths
-(device-resident batches and the loader) draw from here and give the same pixels.
+(device-resident batches and the loader) draw from here.
+
+Two training recipes (`--augment`):
+- `crop-flip`: a crop of the image padded by 4 px, and a horizontal flip (small sets);
+- `rrc`: torchvision's RandomResizedCrop (area 8-100 %, aspect 3/4-4/3 log-uniform, ten
+  tries, then a centre crop) resized to the training size, and a horizontal flip (ImageNet).
+
+A random-resized crop's box is drawn in the pixels of the image as decoded, exactly as
+torchvision draws it. The loader cuts it from the decoded image; the device path cuts the
+same box, in relative coordinates, from the stored resample of the whole image.
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+from typing import Literal
+
 import torch
 import torch.nn.functional as F
 
-CROP_PADDING = 4
+Augment = Literal["rrc", "crop-flip", "none"]
 
+CROP_PADDING = 4
+RRC_SCALE = (0.08, 1.0)  # of the image's area
+RRC_RATIO = (3 / 4, 4 / 3)  # width / height, drawn log-uniform
+RRC_TRIES = 10
+
+
+def training_augment(choice: str, dataset: str) -> Augment:
+    """`--augment auto`: the random-resized crop for image folders, the padded crop and flip
+    for the small in-memory sets (synthetic, STL-10)."""
+    if choice == "auto":
+        return "rrc" if dataset == "imagefolder" else "crop-flip"
+    if choice not in ("rrc", "crop-flip", "none"):
+        raise ValueError(f"unknown augmentation {choice!r}")
+    return choice  # type: ignore[return-value]  # checked just above
+
+
+# --- Draws: splitmix64 of (seed, epoch, index) ------------------------------------------
 
 _MASK64 = (1 << 64) - 1
 
@@ -28,14 +58,30 @@ def _shift_right(values: torch.Tensor, bits: int) -> torch.Tensor:
     return (values >> bits) & ((1 << (64 - bits)) - 1)
 
 
+def _mix(z: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser (int64 arithmetic wraps as uint64 would)."""
+    z = (z ^ _shift_right(z, 30)) * _MIX1
+    z = (z ^ _shift_right(z, 27)) * _MIX2
+    return z ^ _shift_right(z, 31)
+
+
 def sample_hash(seed: int, epoch: int, indices: torch.Tensor) -> torch.Tensor:
     """splitmix64 of (seed, epoch, index), computed the same on any device. A sample's crop
     and flip then never depend on which rank sees it, in which batch, or after a resume."""
     base = (seed * 1_000_003 + epoch * 7_919) & _MASK64
-    z = indices.to(torch.int64) + _signed(base) + _GOLDEN
-    z = (z ^ _shift_right(z, 30)) * _MIX1
-    z = (z ^ _shift_right(z, 27)) * _MIX2
-    return z ^ _shift_right(z, 31)
+    return _mix(indices.to(torch.int64) + _signed(base) + _GOLDEN)
+
+
+def _rehash(hashes: torch.Tensor, rounds: int) -> torch.Tensor:
+    """(N,) hashes -> (N, rounds): round r is splitmix64's (r + 1)-th output from the hash."""
+    steps = torch.arange(1, rounds + 1, dtype=torch.int64, device=hashes.device) * _GOLDEN
+    return _mix(hashes.view(-1, 1) + steps)
+
+
+def _unit_pair(words: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two uniforms in [0, 1) (float64) from each 64-bit word: its high and low 32 bits."""
+    scale = 2.0**-32
+    return _shift_right(words, 32).double() * scale, (words & 0xFFFFFFFF).double() * scale
 
 
 def augmentation_draws(seed: int, epoch: int, indices: torch.Tensor):
@@ -46,6 +92,9 @@ def augmentation_draws(seed: int, epoch: int, indices: torch.Tensor):
     left = _shift_right(h, 20) % span
     flip = (h & 1) == 1
     return top, left, flip
+
+
+# --- crop-flip ----------------------------------------------------------------------------
 
 
 def crop_and_flip_one(image: torch.Tensor, index: int, seed: int, epoch: int) -> torch.Tensor:
@@ -62,3 +111,129 @@ def crop_padded(
     """One (3, height, width) crop of a padded image at (top, left), mirrored if `flip`."""
     crop = padded[:, top : top + height, left : left + width]
     return crop.flip(2) if flip else crop
+
+
+# --- rrc: the random-resized crop ---------------------------------------------------------
+
+
+@dataclass
+class CropBoxes:
+    """Per sample, in the pixels of the image as decoded: int64 (N,) top, left, height, width
+    of the box, and bool (N,) whether to mirror it."""
+
+    top: torch.Tensor
+    left: torch.Tensor
+    height: torch.Tensor
+    width: torch.Tensor
+    flip: torch.Tensor
+
+
+_EXP_SERIES = [1 / math.factorial(k) for k in range(13)]
+
+
+def _exp(x: torch.Tensor) -> torch.Tensor:
+    """exp by its Taylor series (|x| < 0.3 here: 13 terms reach float64's precision), from
+    products and sums alone, which every device and vector width rounds alike. torch.exp
+    may differ by an ulp between a batch and a single image, and so move a box's edge."""
+    result = torch.full_like(x, _EXP_SERIES[-1])
+    for coefficient in reversed(_EXP_SERIES[:-1]):
+        result = result * x + coefficient
+    return result
+
+
+def resized_crop_boxes(
+    seed: int, epoch: int, indices: torch.Tensor, heights: torch.Tensor, widths: torch.Tensor
+) -> CropBoxes:
+    """torchvision's RandomResizedCrop.get_params for each sample, all tries at once, drawn
+    from the sample's hash instead of the global RNG. `heights`, `widths`: (N,) sizes of the
+    images as decoded. Computed on the CPU in float64, so every path gets the same box."""
+    hashes = sample_hash(seed, epoch, indices.cpu())
+    words = _rehash(hashes, 2 * RRC_TRIES)  # per try: one word for the shape, one to place it
+    area_u, aspect_u = _unit_pair(words[:, 0::2])
+    top_u, left_u = _unit_pair(words[:, 1::2])
+    image_h = heights.cpu().double().view(-1, 1)
+    image_w = widths.cpu().double().view(-1, 1)
+    area = image_h * image_w * (RRC_SCALE[0] + (RRC_SCALE[1] - RRC_SCALE[0]) * area_u)
+    log_low, log_high = math.log(RRC_RATIO[0]), math.log(RRC_RATIO[1])
+    aspect = _exp(log_low + (log_high - log_low) * aspect_u)
+    box_w = torch.round(torch.sqrt(area * aspect))  # round half to even, as Python's round
+    box_h = torch.round(torch.sqrt(area / aspect))
+    fits = (box_w > 0) & (box_w <= image_w) & (box_h > 0) & (box_h <= image_h)
+    first = fits.to(torch.uint8).argmax(dim=1, keepdim=True)  # the first try that fits
+
+    def chosen(values: torch.Tensor) -> torch.Tensor:
+        return values.gather(1, first).squeeze(1)
+
+    box_h, box_w = chosen(box_h), chosen(box_w)
+    image_h, image_w = image_h.squeeze(1), image_w.squeeze(1)
+    top = torch.floor(chosen(top_u) * (image_h - box_h + 1))  # randint(0, H - h + 1)
+    left = torch.floor(chosen(left_u) * (image_w - box_w + 1))
+    centre = _centre_boxes(image_h, image_w)
+    found = fits.any(dim=1)
+    top, left, box_h, box_w = (
+        torch.where(found, drawn, fallback).to(torch.int64)
+        for drawn, fallback in zip((top, left, box_h, box_w), centre, strict=True)
+    )
+    return CropBoxes(top, left, box_h, box_w, flip=(hashes & 1) == 1)
+
+
+def _centre_boxes(image_h: torch.Tensor, image_w: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """torchvision's fallback after ten failed tries: the centred box of the nearest allowed
+    aspect (the whole image if its own aspect is allowed). Returns top, left, height, width."""
+    low, high = RRC_RATIO
+    aspect = image_w / image_h
+    tall, wide = aspect < low, aspect > high
+    box_w = torch.where(wide, torch.round(image_h * high), image_w)
+    box_h = torch.where(tall, torch.round(image_w / low), image_h)
+    return (
+        torch.div(image_h - box_h, 2, rounding_mode="floor"),
+        torch.div(image_w - box_w, 2, rounding_mode="floor"),
+        box_h,
+        box_w,
+    )
+
+
+def resized_crop_one(
+    image: torch.Tensor, index: int, seed: int, epoch: int, size: int
+) -> torch.Tensor:
+    """The loader's random-resized crop of one uint8 image as decoded: the box cut from it,
+    resized (bilinear, antialiased) to size x size, mirrored if drawn so."""
+    from torchvision.transforms.v2 import functional as TF
+
+    height, width = image.shape[-2:]
+    boxes = resized_crop_boxes(
+        seed, epoch, torch.tensor([index]), torch.tensor([height]), torch.tensor([width])
+    )
+    top, left, box_h, box_w = (int(v) for v in (boxes.top, boxes.left, boxes.height, boxes.width))
+    # Contiguous first: resize's uint8 kernel needs it, and a strided crop takes a float
+    # detour several times slower. Same pixels as TF.resized_crop.
+    crop = image[:, top : top + box_h, left : left + box_w].contiguous()
+    crop = TF.resize(crop, [size, size], antialias=True)
+    return crop.flip(2) if bool(boxes.flip) else crop
+
+
+def resample_boxes(
+    images: torch.Tensor, boxes: CropBoxes, heights: torch.Tensor, widths: torch.Tensor, size: int
+) -> torch.Tensor:
+    """The device path's random-resized crop of a batch, in one bilinear grid_sample: `images`
+    (N, 3, S, S) hold each whole image resampled to a square; the boxes, drawn in the decoded
+    (heights, widths) pixels, are mapped to relative coordinates, so the crop covers the same
+    region as the loader's. Returns float (N, 3, size, size) on the 0-255 scale."""
+    image_h, image_w = heights.cpu().double(), widths.cpu().double()
+    top, bottom = boxes.top / image_h, (boxes.top + boxes.height) / image_h
+    left, right = boxes.left / image_w, (boxes.left + boxes.width) / image_w
+    mirror = torch.where(boxes.flip, -1.0, 1.0).double()
+    # grid_sample's coordinates run over [-1, 1] edge to edge (align_corners=False): output
+    # pixel centre u maps to (right - left) * u + (left + right - 1) in the input; a mirror
+    # negates the slope. The map is separable, so the grid is two outer sums, where
+    # affine_grid's batched matrix product takes many times longer on the CPU.
+    slopes_offsets = torch.stack([(right - left) * mirror, left + right - 1, bottom - top,
+                                  top + bottom - 1], dim=1)  # fmt: skip
+    x_slope, x_offset, y_slope, y_offset = slopes_offsets.to(images.device, torch.float32).T
+    centres = (torch.arange(size, device=images.device, dtype=torch.float32) * 2 + 1) / size - 1
+    cols = x_slope.view(-1, 1, 1) * centres.view(1, 1, size) + x_offset.view(-1, 1, 1)
+    rows = y_slope.view(-1, 1, 1) * centres.view(1, size, 1) + y_offset.view(-1, 1, 1)
+    grid = torch.stack(torch.broadcast_tensors(cols, rows), dim=-1)  # (N, size, size, [x, y])
+    return F.grid_sample(
+        images.float(), grid, mode="bilinear", padding_mode="border", align_corners=False
+    )

@@ -1,6 +1,6 @@
 """Device-resident batches (`--data-path device`): the uint8 set lives in device memory and
 each batch is gathered, cropped, flipped and normalised there at once: no DataLoader
-workers, no per-image Python, no copy of images across PCIe per step.
+workers, no per-image Python on the GPU, no copy of images across PCIe per step.
 """
 
 from __future__ import annotations
@@ -11,14 +11,22 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
-from ddpcli.data.augment import CROP_PADDING, augmentation_draws, crop_padded
+from ddpcli.data.augment import (
+    CROP_PADDING,
+    Augment,
+    augmentation_draws,
+    crop_padded,
+    resample_boxes,
+    resized_crop_boxes,
+)
 from ddpcli.data.sets import ImageSet
 
 
 class DeviceResidentBatches:
-    """Batches of an in-memory ImageSet, on `device`: gather, random crop with padding,
-    horizontal flip and normalisation done for the whole batch at once. `drop_last`
-    (training) leaves out the last, partial batch, as DataLoader's drop_last does."""
+    """Batches of an in-memory ImageSet, on `device`: gather, augmentation (`rrc`: one
+    batched resample of each image's box; `crop-flip`: crop with padding and flip) and
+    normalisation done for the whole batch at once. `drop_last` (training) leaves out the
+    last, partial batch, as DataLoader's drop_last does."""
 
     def __init__(
         self,
@@ -28,14 +36,21 @@ class DeviceResidentBatches:
         device: torch.device,
         mean: list[float],
         std: list[float],
-        augment: bool,
+        augment: Augment,
         seed: int,
         epoch: int,
         channels_last: bool = False,
         drop_last: bool = False,
+        image_size: int | None = None,
     ):
+        """`image_size`: the side of the batches, where the set holds its images at another
+        (image folders kept whole for `rrc`); by default the set's own."""
         self.images = images.images.to(device)
         self.labels = images.labels.to(device)
+        # Each image's size as decoded, on the CPU, where crop boxes are drawn.
+        stored = torch.tensor(images.images.shape[-2:])
+        self.sizes = stored.expand(len(images), 2) if images.sizes is None else images.sizes.cpu()
+        self.image_size = image_size or images.images.shape[-1]
         self.indices = torch.tensor(indices, dtype=torch.long)
         self.batch_size = batch_size
         self.device = device
@@ -53,12 +68,23 @@ class DeviceResidentBatches:
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         for start in range(0, len(self) * self.batch_size, self.batch_size):
-            batch = self.indices[start : start + self.batch_size].to(self.device)
+            rows = self.indices[start : start + self.batch_size]
+            batch = rows.to(self.device)
             images = self.images[batch]
-            if self.augment:
+            if self.augment == "rrc":
+                images = self._resized_crop(images, rows)
+            elif self.augment == "crop-flip":
                 images = self._crop_and_flip(images, batch)
             images = (images.float().div_(255) - self.mean) / self.std
             yield images.contiguous(memory_format=self.memory_format), self.labels[batch]
+
+    def _resized_crop(self, images: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Each image's box, drawn on the CPU from its decoded size, resampled on the device
+        in one grid_sample for the whole batch."""
+        sizes = self.sizes[rows]
+        heights, widths = sizes[:, 0], sizes[:, 1]
+        boxes = resized_crop_boxes(self.seed, self.epoch, rows, heights, widths)
+        return resample_boxes(images, boxes, heights, widths, self.image_size)
 
     def _crop_and_flip(self, images: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         count, _, height, width = images.shape

@@ -10,8 +10,8 @@ import os
 
 import torch
 
-from ddpcli.data.augment import crop_and_flip_one
-from ddpcli.data.sets import ImageSet, Sample, read_rgb
+from ddpcli.data.augment import Augment, crop_and_flip_one, resized_crop_one
+from ddpcli.data.sets import ImageSet, Sample, centre_view, read_rgb
 
 
 class KeyedImages(torch.utils.data.Dataset, abc.ABC):
@@ -19,8 +19,8 @@ class KeyedImages(torch.utils.data.Dataset, abc.ABC):
     persist across epochs, so the epoch travels with each index instead of living in a
     copy of the dataset that the workers would never see change."""
 
-    def __init__(self, seed: int, augment: bool):
-        self.seed, self.augment = seed, augment
+    def __init__(self, seed: int, augment: Augment, image_size: int):
+        self.seed, self.augment, self.image_size = seed, augment, image_size
 
     @abc.abstractmethod
     def __len__(self) -> int:
@@ -28,12 +28,19 @@ class KeyedImages(torch.utils.data.Dataset, abc.ABC):
 
     @abc.abstractmethod
     def load(self, index: int) -> tuple[torch.Tensor, int]:
-        """uint8 (3, H, W) at the training size, and the label."""
+        """uint8 (3, H, W) as held or decoded, and the label."""
+
+    def centred(self, image: torch.Tensor) -> torch.Tensor:
+        """The image at the training size without augmentation (validation's view)."""
+        return image
 
     def __getitem__(self, key: tuple[int, int]) -> tuple[torch.Tensor, int]:
         index, epoch = key
         image, label = self.load(index)
-        if self.augment:
+        if self.augment == "rrc":  # cut from the image as decoded, not from a centre view
+            return resized_crop_one(image, index, self.seed, epoch, self.image_size), label
+        image = self.centred(image)
+        if self.augment == "crop-flip":
             image = crop_and_flip_one(image, index, self.seed, epoch)
         return image, label
 
@@ -41,8 +48,8 @@ class KeyedImages(torch.utils.data.Dataset, abc.ABC):
 class MemoryDataset(KeyedImages):
     """An in-memory ImageSet served through the DataLoader (`--data-path loader`)."""
 
-    def __init__(self, image_set: ImageSet, seed: int, augment: bool):
-        super().__init__(seed, augment)
+    def __init__(self, image_set: ImageSet, seed: int, augment: Augment):
+        super().__init__(seed, augment, image_set.images.shape[-1])
         self.image_set = image_set
 
     def __len__(self) -> int:
@@ -57,20 +64,19 @@ class FolderDataset(KeyedImages):
     that cannot be decoded ends the run with UnreadableImage, naming it (--skip-bad-images
     leaves such files out of `samples` before training: ddpcli.data.sets.drop_unreadable)."""
 
-    def __init__(self, samples: list[Sample], image_size: int, seed: int, augment: bool):
-        super().__init__(seed, augment)
+    def __init__(self, samples: list[Sample], image_size: int, seed: int, augment: Augment):
+        super().__init__(seed, augment, image_size)
         self.samples = samples
-        self.image_size = image_size
 
     def __len__(self) -> int:
         return len(self.samples)
 
     def load(self, index: int) -> tuple[torch.Tensor, int]:
-        from torchvision.transforms.v2 import functional as TF
-
         path, label = self.samples[index]
-        image = TF.resize(read_rgb(path), self.image_size, antialias=True)
-        return TF.center_crop(image, [self.image_size, self.image_size]), label
+        return read_rgb(path), label
+
+    def centred(self, image: torch.Tensor) -> torch.Tensor:
+        return centre_view(image, self.image_size)
 
 
 class ShardSampler(torch.utils.data.Sampler):

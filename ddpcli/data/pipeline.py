@@ -8,6 +8,7 @@ and unpadded, so every sample is counted exactly once.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -16,6 +17,7 @@ import torch
 from torch.utils.data import DistributedSampler
 
 from ddpcli.config import TrainConfig
+from ddpcli.data.augment import Augment, training_augment
 from ddpcli.data.device import DeviceResidentBatches
 from ddpcli.data.loader import (
     FolderDataset,
@@ -89,6 +91,7 @@ class DataPipeline:
         self.cfg = cfg
         self.ctx = ctx
         self.channels_last = ctx.device.type == "cuda"
+        self.augment = training_augment(cfg.augment, cfg.dataset)
         # Only a set held in memory can be moved onto the device; a streamed folder cannot.
         self.device_resident = device_resident and isinstance(splits, MemorySplits)
         if isinstance(splits, MemorySplits) and cfg.dataset != "imagefolder":
@@ -106,23 +109,23 @@ class DataPipeline:
             self._hold_on_device(splits)
         else:
             self._start_loaders(
-                MemoryDataset(splits.train, cfg.seed, augment=True),
-                MemoryDataset(splits.val, cfg.seed, augment=False),
+                MemoryDataset(splits.train, cfg.seed, self.augment),
+                MemoryDataset(splits.val, cfg.seed, "none"),
             )
         self._check_one_batch()
 
     def _hold_on_device(self, splits: MemorySplits) -> None:
         # The uint8 set lives where it is augmented; batches never cross PCIe.
         device = self.ctx.device
-        self.train_set = ImageSet(splits.train.images.to(device), splits.train.labels)
-        self.val_set = ImageSet(splits.val.images.to(device), splits.val.labels)
+        self.train_set = dataclasses.replace(splits.train, images=splits.train.images.to(device))
+        self.val_set = dataclasses.replace(splits.val, images=splits.val.images.to(device))
         self.train_size, self.val_size = len(splits.train), len(splits.val)
 
     def _stream_folders(self, splits: FolderSplits) -> None:
         size, seed = self.cfg.resolved_image_size, self.cfg.seed
         self._start_loaders(
-            FolderDataset(splits.train_samples, size, seed, augment=True),
-            FolderDataset(splits.val_samples, size, seed, augment=False),
+            FolderDataset(splits.train_samples, size, seed, self.augment),
+            FolderDataset(splits.val_samples, size, seed, "none"),
         )
 
     def _start_loaders(self, train: KeyedImages, val: KeyedImages) -> None:
@@ -178,7 +181,9 @@ class DataPipeline:
         indices = train_shard(self.train_size, self.ctx, self.cfg.seed, epoch)
         indices = indices[skip_batches * self.cfg.per_gpu_batch :]
         if self.device_resident:
-            batches = self._device_batches(self.train_set, indices, True, epoch, drop_last=True)
+            batches = self._device_batches(
+                self.train_set, indices, self.augment, epoch, drop_last=True
+            )
         else:
             batches = self.train_loader.for_epoch(indices, epoch)
         if self.trace_file:
@@ -188,13 +193,14 @@ class DataPipeline:
     def val_batches(self):
         indices = val_shard(self.val_size, self.ctx)
         if self.device_resident:
-            return self._device_batches(self.val_set, indices, False, 0, drop_last=False)
+            return self._device_batches(self.val_set, indices, "none", 0, drop_last=False)
         return self.val_loader.for_epoch(indices, 0)
 
     def _device_batches(
-        self, image_set: ImageSet, indices, augment: bool, epoch: int, drop_last: bool
+        self, image_set: ImageSet, indices, augment: Augment, epoch: int, drop_last: bool
     ):
         return DeviceResidentBatches(
             image_set, indices, self.cfg.per_gpu_batch, self.ctx.device, self.mean, self.std,
             augment, self.cfg.seed, epoch, self.channels_last, drop_last,
+            self.cfg.resolved_image_size,
         )  # fmt: skip

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from ddpcli import ui
 from ddpcli.config import TrainConfig
+from ddpcli.data.augment import training_augment
 from ddpcli.dist import DistContext, all_gather_object, zero_first
 from ddpcli.errors import USAGE, DdpcliError, first_line, usage_error
 from ddpcli.files import atomic_save
@@ -33,10 +34,13 @@ SKIPPED_IMAGES_FILE = "skipped_images.txt"
 
 @dataclass
 class ImageSet:
-    """A split held in memory: uint8 images (N, 3, H, W) and int64 labels (N,)."""
+    """A split held in memory: uint8 images (N, 3, H, W) and int64 labels (N,). `sizes`:
+    int64 (N, 2), each image's (height, width) as decoded where `images` hold the whole
+    image resampled to a square (see `whole_view`); None where they are as decoded."""
 
     images: torch.Tensor
     labels: torch.Tensor
+    sizes: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -231,17 +235,51 @@ def check_imagefolder(data_dir: Path) -> list[str]:
     return classes
 
 
-def decode_folder(
-    split_dir: Path, classes: list[str], image_size: int, skip_bad_images: bool = False
-) -> tuple[ImageSet, list[str]]:
-    """Decode once to uint8 at the training size: shorter side resized, centre crop. An image
-    that cannot be decoded stops the run, or with `skip_bad_images` is left out and listed."""
+# Validation as torchvision's reference recipe: shorter side to image_size / 0.875 (256 for
+# 224), then the centre crop at image_size.
+CENTRE_CROP_FRACTION = 0.875
+
+
+def resize_side(image_size: int) -> int:
+    return round(image_size / CENTRE_CROP_FRACTION)
+
+
+def centre_view(image: torch.Tensor, image_size: int) -> torch.Tensor:
+    """Validation's view of an image folder's image (and crop-flip's before it crops)."""
     from torchvision.transforms.v2 import functional as TF
 
+    image = TF.resize(image, resize_side(image_size), antialias=True)
+    return TF.center_crop(image, [image_size, image_size])
+
+
+def whole_view(image: torch.Tensor, image_size: int) -> torch.Tensor:
+    """The whole image squeezed to a square of side resize_side(image_size): what the device
+    path keeps for random-resized crops. A box anywhere in the image can be cut from it (in
+    relative coordinates, which also restores the aspect), and even the whole image then
+    shrinks by at most 1/0.875 to the training size, so bilinear sampling needs no
+    antialiasing."""
+    from torchvision.transforms.v2 import functional as TF
+
+    side = resize_side(image_size)
+    return TF.resize(image, [side, side], antialias=True)
+
+
+def decode_folder(
+    split_dir: Path,
+    classes: list[str],
+    image_size: int,
+    skip_bad_images: bool = False,
+    whole: bool = False,
+) -> tuple[ImageSet, list[str]]:
+    """Decode once to uint8: each image's centre_view, or with `whole` its whole_view and its
+    size. An image that cannot be decoded stops the run, or with `skip_bad_images` is left
+    out and listed."""
     samples = folder_samples(split_dir, classes)
     if not samples:
         raise usage_error(f"{split_dir} holds no images ({', '.join(sorted(IMAGE_SUFFIXES))})")
-    images = torch.empty(len(samples), 3, image_size, image_size, dtype=torch.uint8)
+    view, side = (whole_view, resize_side(image_size)) if whole else (centre_view, image_size)
+    images = torch.empty(len(samples), 3, side, side, dtype=torch.uint8)
+    sizes = torch.empty(len(samples), 2, dtype=torch.int64)
     labels: list[int] = []
     skipped: list[str] = []
     for path, label in samples:
@@ -252,19 +290,22 @@ def decode_folder(
                 raise
             skipped.append(str(path))
             continue
-        image = TF.resize(decoded, image_size, antialias=True)
-        images[len(labels)] = TF.center_crop(image, [image_size, image_size])
+        sizes[len(labels)] = torch.tensor(decoded.shape[1:])
+        images[len(labels)] = view(decoded, image_size)
         labels.append(label)
     if skipped:  # a copy: a view would save the whole buffer
-        images = images[: len(labels)].clone()
-    return ImageSet(images, torch.tensor(labels, dtype=torch.int64)), skipped
+        images, sizes = images[: len(labels)].clone(), sizes[: len(labels)].clone()
+    image_set = ImageSet(images, torch.tensor(labels, dtype=torch.int64), sizes if whole else None)
+    return image_set, skipped
 
 
-def folder_cache_path(data_dir: Path, image_size: int, cache_dir: Path) -> Path:
-    """Keyed by the folder, the size and the newest modification, so edits invalidate it."""
+def folder_cache_path(data_dir: Path, image_size: int, cache_dir: Path, whole_train: bool) -> Path:
+    """Keyed by the folder, the size, the view and the newest modification, so edits
+    invalidate it."""
     newest = max((p.stat().st_mtime_ns for p in data_dir.rglob("*")), default=0)
+    view = "whole" if whole_train else "centre"
     key = hashlib.sha256(f"{data_dir.resolve()}|{image_size}|{newest}".encode()).hexdigest()
-    return cache_dir / f"imagefolder-{image_size}px-{key[:16]}.pt"
+    return cache_dir / f"imagefolder-{image_size}px-{view}-{key[:16]}.pt"
 
 
 def imagefolder_splits(
@@ -274,7 +315,10 @@ def imagefolder_splits(
     cache_dir: Path,
     ctx: DistContext,
     skip_bad_images: bool = False,
+    whole_train: bool = False,
 ) -> Splits:
+    """`whole_train`: the device path's training images kept whole, for random-resized crops;
+    validation is always the centre view."""
     classes = check_imagefolder(data_dir)
     if not decode_once:  # the loader's workers decode each image as it is needed
         train, val = (folder_samples(data_dir / split, classes) for split in ("train", "val"))
@@ -283,24 +327,25 @@ def imagefolder_splits(
             train, val, skipped = drop_unreadable(train, val, ctx)
         check_split_sizes(data_dir, len(train), len(val), skipped)
         return FolderSplits(train, val, len(classes), classes, skipped)
-    cache = folder_cache_path(data_dir, image_size, cache_dir)
+    cache = folder_cache_path(data_dir, image_size, cache_dir, whole_train)
     with zero_first(ctx):
         if ctx.is_main and not cache.exists():
             splits = {
-                split: decode_folder(data_dir / split, classes, image_size, skip_bad_images)
-                for split in ("train", "val")
+                split: decode_folder(data_dir / split, classes, image_size, skip_bad_images, whole)
+                for split, whole in (("train", whole_train), ("val", False))
             }
             cache.parent.mkdir(parents=True, exist_ok=True)
             atomic_save(
                 {
-                    split: {"images": images.images, "labels": images.labels, "skipped": skipped}
+                    split: {**vars(images), "skipped": skipped}
                     for split, (images, skipped) in splits.items()
                 },
                 cache,
             )
     stored = torch.load(cache, weights_only=True)
     train_set, val_set = (
-        ImageSet(stored[s]["images"], stored[s]["labels"]) for s in ("train", "val")
+        ImageSet(stored[s]["images"], stored[s]["labels"], stored[s]["sizes"])
+        for s in ("train", "val")
     )
     skipped = [path for split in ("train", "val") for path in stored[split].get("skipped", [])]
     if skipped and not skip_bad_images:  # the cache of a run that skipped them
@@ -411,9 +456,11 @@ def load_splits(cfg: TrainConfig, ctx: DistContext, device_resident: bool) -> Sp
             splits.val = resize_set(splits.val, image_size)
         return splits
     cache_dir = cfg.resolved_out / "cache"
+    whole_train = training_augment(cfg.augment, cfg.dataset) == "rrc"
     return imagefolder_splits(
-        cfg.resolved_data_dir, image_size, device_resident, cache_dir, ctx, cfg.skip_bad_images
-    )
+        cfg.resolved_data_dir, image_size, device_resident, cache_dir, ctx, cfg.skip_bad_images,
+        whole_train,
+    )  # fmt: skip
 
 
 def check_data_source(cfg: TrainConfig) -> None:
