@@ -6,6 +6,7 @@ in-process when torchrun (or SLURM) already made this process a rank.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import os
 import signal
@@ -147,6 +148,13 @@ def die_with_agent() -> None:
         os._exit(1)
 
 
+def record_for_agent(error: BaseException) -> None:
+    """The traceback goes to the agent's error file for its report, the user sees one line.
+    A full disk (or a gone folder) must not turn that line into a stack of its own."""
+    with contextlib.suppress(OSError):
+        get_error_handler().record_exception(error)
+
+
 @record
 def main(argv: list[str]) -> None:
     die_with_agent()
@@ -166,8 +174,7 @@ def main(argv: list[str]) -> None:
     except Exception as error:
         if debug_requested():
             raise  # @record prints the traceback and hands it to the agent
-        # One line here; the traceback goes to the agent's error file for its report.
-        get_error_handler().record_exception(error)
+        record_for_agent(error)
         exit_with_error(f"rank {env.rank}: {type(error).__name__}: {first_line(error)}", 1)
 
 

@@ -358,3 +358,15 @@ def test_slurm_variables_resolve(variables, expected):
 def test_one_slurm_task_is_no_launcher():
     """A batch script's own shell has SLURM_PROCID=0 too; with one task ddpcli launches."""
     assert read_launcher_env({"SLURM_PROCID": "0", "SLURM_NTASKS": "1"}) is None
+
+
+def test_a_rank_that_cannot_record_its_error_still_reports_one_line(monkeypatch, capsys):
+    """A full disk while a rank records its traceback for the agent: no second stack."""
+    from ddpcli.worker import record_for_agent
+
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", "/dev/full")  # every write: ENOSPC
+    try:
+        raise ValueError("the original failure")
+    except ValueError as error:
+        record_for_agent(error)
+    assert "Traceback" not in capsys.readouterr().err
