@@ -117,7 +117,7 @@ class Trainer:
         self.steps_per_epoch = math.ceil(self.micro_total / cfg.accumulate)
         # What one optimizer step really holds: an epoch shorter than --accumulate caps it.
         self.accumulate = min(cfg.accumulate, self.micro_total)
-        self.global_batch = cfg.per_gpu_batch * ctx.world_size * self.accumulate
+        self.global_batch = cfg.global_batch_at(ctx.world_size, self.micro_total)
         # The schedule spans --epochs; --max-steps only stops the run early, at a point a
         # later --resume continues from exactly as if it had never stopped.
         self.total_steps = cfg.epochs * self.steps_per_epoch
@@ -233,7 +233,8 @@ class Trainer:
             f"accumulate {self.accumulate} = global batch {self.global_batch}"
         )
         ui.info(
-            f"{cfg.describe_lr_at(self.ctx.world_size)} · linear warm-up {self.warmup_steps} "
+            f"{cfg.describe_lr_at(self.ctx.world_size, self.micro_total)} · linear warm-up "
+            f"{self.warmup_steps} "
             f"steps, cosine decay to 0 at step {self.total_steps}"
         )
         if note := self.accumulation_note():

@@ -83,9 +83,6 @@ def run_worker(cfg: TrainConfig, env: LauncherEnv) -> dict[str, Any]:
     try:
         cfg = finalize_for_device(cfg, ctx)
         out = cfg.resolved_out
-        if ctx.is_main:
-            out.mkdir(parents=True, exist_ok=True)
-            (out / "config.json").write_text(cfg.model_dump_json(indent=2) + "\n")
         device_resident = keep_data_on_device(cfg, ctx)
         splits = load_splits(cfg, ctx, device_resident)
         if ctx.is_main:  # a list an earlier run in this folder left would mislead
@@ -94,6 +91,13 @@ def run_worker(cfg: TrainConfig, env: LauncherEnv) -> dict[str, Any]:
             if splits.skipped:
                 skipped_file.write_text("\n".join(splits.skipped) + "\n")
         pipeline = DataPipeline(splits, cfg, ctx, device_resident)
+        # An epoch shorter than --accumulate makes smaller steps: the rate follows them.
+        cfg = cfg.model_copy(
+            update={"peak_lr": cfg.peak_lr_at(ctx.world_size, pipeline.steps_per_epoch())}
+        )
+        if ctx.is_main:
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "config.json").write_text(cfg.model_dump_json(indent=2) + "\n")
         last = Trainer(cfg, ctx, pipeline).fit()
         summary = {
             **last,

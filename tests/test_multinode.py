@@ -246,7 +246,7 @@ def test_only_the_per_node_settings_may_differ():
     from ddpcli.launch import settings_every_node_shares
     from ddpcli.rollcall import disagreements
 
-    node0 = TrainConfig(cpu=True, nnodes=2, node_rank=0, out=Path("/a"), timeout=30)
+    node0 = TrainConfig(cpu=True, nnodes=2, node_rank=0, out=Path("/a"), timeout=30, lr=0.1)
     node1 = TrainConfig(
         cpu=True, nnodes=2, node_rank=1, out=Path("/b"), ifname="eth1", lr=0.2, nproc=4
     )

@@ -219,17 +219,19 @@ class TrainConfig(BaseModel):
     def global_batch(self) -> int:
         return self.global_batch_at(self.world_size)
 
-    def global_batch_at(self, world_size: int) -> int:
-        """Under torchrun the world comes from the launcher, not from --nproc/--gpus."""
-        return self.per_gpu_batch * world_size * self.accumulate
+    def global_batch_at(self, world_size: int, micro_batches_per_epoch: int | None = None) -> int:
+        """Under torchrun the world comes from the launcher, not from --nproc/--gpus; an
+        epoch of fewer micro-batches than --accumulate caps what one step holds."""
+        accumulate = min(self.accumulate, micro_batches_per_epoch or self.accumulate)
+        return self.per_gpu_batch * world_size * accumulate
 
-    def peak_lr_at(self, world_size: int) -> float:
+    def peak_lr_at(self, world_size: int, micro_batches_per_epoch: int | None = None) -> float:
         """--lr scaled by --lr-scaling to this run's global batch (see `scaled_lr`)."""
-        global_batch = self.global_batch_at(world_size)
+        global_batch = self.global_batch_at(world_size, micro_batches_per_epoch)
         return scaled_lr(self.resolved_lr, global_batch, self.lr_base_batch, self.lr_scaling)
 
-    def describe_lr_at(self, world_size: int) -> str:
-        global_batch = self.global_batch_at(world_size)
+    def describe_lr_at(self, world_size: int, micro_batches_per_epoch: int | None = None) -> str:
+        global_batch = self.global_batch_at(world_size, micro_batches_per_epoch)
         return describe_lr(self.resolved_lr, global_batch, self.lr_base_batch, self.lr_scaling)
 
     # Settings `ddpcli.resolve` fills in before any worker starts: None only until then.
