@@ -139,3 +139,21 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def run_on_read_only_mount(folder: Path, ddpcli_args: str, timeout: float = 90):
+    """`python -m ddpcli ARGS` with FOLDER a read-only tmpfs, mounted in a mount namespace of
+    the command's own (needs root and unshare; the test is skipped otherwise)."""
+    import shutil
+
+    if not shutil.which("unshare") or os.geteuid() != 0:
+        pytest.skip("needs unshare and root for a read-only mount")
+    folder.mkdir(exist_ok=True)
+    script = (
+        f"mount -t tmpfs -o ro none {folder} || exit 77; "
+        f"exec {sys.executable} -m ddpcli {ddpcli_args}"
+    )
+    result = run_bounded(["unshare", "-m", "sh", "-c", script], timeout, clean_env())
+    if result.returncode == 77:
+        pytest.skip("cannot mount a read-only tmpfs here")
+    return result

@@ -20,7 +20,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from conftest import REPO, run_cli
+from conftest import REPO, run_cli, run_on_read_only_mount
 from typer.testing import CliRunner
 
 from ddpcli import files
@@ -530,20 +530,7 @@ def test_convert_into_a_folder_is_exit_2_naming_it(saved, tmp_path):
 
 
 def test_convert_onto_a_read_only_file_system_is_exit_2(saved, tmp_path):
-    import shutil
-
-    if not shutil.which("unshare") or os.geteuid() != 0:
-        pytest.skip("needs unshare and root for a read-only mount")
     folder = tmp_path / "ro"
-    folder.mkdir()
-    script = (
-        f"mount -t tmpfs -o ro none {folder} || exit 77; exec {sys.executable} -m ddpcli "
-        f"checkpoint convert {saved} {folder}/out.pt"
-    )
-    result = subprocess.run(
-        ["unshare", "-m", "sh", "-c", script], capture_output=True, text=True, timeout=60, cwd=REPO
-    )
-    if result.returncode == 77:
-        pytest.skip("cannot mount a read-only tmpfs here")
+    result = run_on_read_only_mount(folder, f"checkpoint convert {saved} {folder}/out.pt", 60)
     assert result.returncode == 2, result.stderr
     assert "invalid OUT:" in result.stderr and "read-only file system" in result.stderr

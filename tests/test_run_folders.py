@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import clean_env, run_cli
+from conftest import run_cli, run_on_read_only_mount
 from test_faults import SHORT_RUN, TINY, Background, assert_no_worker_left, child_workers, proc_args
 
 from ddpcli.config import TrainConfig
@@ -189,25 +188,8 @@ def test_an_out_or_log_dir_that_is_a_file_is_exit_2(tmp_path):
 
 
 def test_an_out_on_a_read_only_file_system_is_exit_2(tmp_path):
-    """A read-only tmpfs in a mount namespace of the command's own (needs root)."""
-    import shutil
-    import subprocess
-
-    if not shutil.which("unshare") or os.geteuid() != 0:
-        pytest.skip("needs unshare and root for a read-only mount")
     folder = tmp_path / "ro"
-    folder.mkdir()
-    script = (
-        f"mount -t tmpfs -o ro none {folder} || exit 77; exec {sys.executable} -m ddpcli "
-        f"train {' '.join(SHORT_RUN)} --out {folder}/run"
-    )
-    result = subprocess.run(
-        ["unshare", "-m", "sh", "-c", script],
-        capture_output=True, text=True, timeout=90, env=clean_env(),
-        cwd=Path(__file__).resolve().parents[1],
-    )  # fmt: skip
-    if result.returncode == 77:
-        pytest.skip("cannot mount a read-only tmpfs here")
+    result = run_on_read_only_mount(folder, f"train {' '.join(SHORT_RUN)} --out {folder}/run")
     assert result.returncode == 2, result.stderr
     assert "invalid --out:" in result.stderr and "read-only file system" in result.stderr
 
