@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from ddpcli import ui
 from ddpcli.config import TrainConfig
-from ddpcli.environments import read_launcher_env
+from ddpcli.environments import LauncherEnv, read_launcher_env
 from ddpcli.errors import USAGE, DdpcliError, first_line, runtime_error, usage_error
 from ddpcli.machine import cpu_count
 from ddpcli.process import freeze_imported_objects
@@ -45,19 +45,51 @@ DEFAULT_MASTER_PORT = 29500  # torchrun's, as in ddpcli.resolve
 
 
 def launch_train(cfg: TrainConfig, debug: bool = False) -> dict[str, Any]:
-    """Run the training job and return rank 0's summary."""
+    """Run the training job and return rank 0's summary. The process on rank 0's side
+    then draws the run's curves, also after a failure or Ctrl-C: a picture of what happened
+    up to there, while it still holds the run folder."""
     freeze_imported_objects()
     launcher = read_launcher_env()
+    draws = launcher.rank == 0 if launcher is not None else cfg.node_rank == 0
     with claim_run_folder(cfg, launcher):
-        if launcher is None:
-            return _launch_elastic(cfg, debug)
-        from ddpcli.worker import run_worker
+        try:
+            summary = start_training(cfg, launcher, debug)
+        except BaseException:
+            if draws:
+                draw_curves_after_stop(cfg.resolved_out)
+            raise
+        if draws and (picture := draw_curves(cfg.resolved_out)):
+            summary["curves"] = str(picture)
+        return summary
 
-        if cfg.gpus and launcher.rank == 0:
-            ui.warn("--gpus is ignored under a launcher: each rank uses the GPU of its LOCAL_RANK")
-        if cfg.ifname:  # this process is the worker: set them before its group forms
-            os.environ["GLOO_SOCKET_IFNAME"] = os.environ["NCCL_SOCKET_IFNAME"] = cfg.ifname
-        return run_worker(cfg, launcher)
+
+def draw_curves(out: Path) -> Path | None:
+    """OUT/curves.png; a picture that cannot be drawn is a warning, never a failed run."""
+    from ddpcli.curves import write_run_curves
+
+    try:
+        return write_run_curves(out)
+    except Exception as error:  # the run itself is what counts: say so, go on
+        ui.warn(f"could not draw {out / 'curves.png'}: {type(error).__name__}: {error}")
+        return None
+
+
+def draw_curves_after_stop(out: Path) -> None:
+    picture = draw_curves(out)
+    if picture is not None:
+        ui.info(f"curves up to where the run stopped: {picture}")
+
+
+def start_training(cfg: TrainConfig, launcher: LauncherEnv | None, debug: bool) -> dict[str, Any]:
+    if launcher is None:
+        return _launch_elastic(cfg, debug)
+    from ddpcli.worker import run_worker
+
+    if cfg.gpus and launcher.rank == 0:
+        ui.warn("--gpus is ignored under a launcher: each rank uses the GPU of its LOCAL_RANK")
+    if cfg.ifname:  # this process is the worker: set them before its group forms
+        os.environ["GLOO_SOCKET_IFNAME"] = os.environ["NCCL_SOCKET_IFNAME"] = cfg.ifname
+    return run_worker(cfg, launcher)
 
 
 def worker_environment(

@@ -19,11 +19,20 @@ from ddpcli.environments import LauncherEnv
 from ddpcli.errors import usage_error
 from ddpcli.files import folder_write_problem
 from ddpcli.machine import check_gpu_indices, check_interface, physical_gpu_count
+from ddpcli.tbwriter import INSTALL_HINT, tensorboard_installed
 
 DEFAULT_MASTER_PORT = 29500  # torchrun's
 # The side each data set is trained at unless --image-size says otherwise.
 NATIVE_IMAGE_SIZE = {"synthetic": 32, "stl10": STL10_SIDE}
 IMAGEFOLDER_SIZE = {"gpu": 224, "cpu": 64}
+
+
+def check_tensorboard(cfg: TrainConfig) -> None:
+    if cfg.tensorboard and not tensorboard_installed():
+        raise usage_error(
+            f"invalid --tensorboard: the tensorboard package is not installed; {INSTALL_HINT}, "
+            "or drop --tensorboard (steps.jsonl and curves.png are written anyway)"
+        )
 
 
 def resolve_train_config(cfg: TrainConfig, launcher: LauncherEnv | None) -> TrainConfig:
@@ -49,6 +58,7 @@ def resolve_train_config(cfg: TrainConfig, launcher: LauncherEnv | None) -> Trai
         check_writable_folder(values["log_dir"], "--log-dir")
     resolve_agent_address(values)
     check_data_source(cfg)
+    check_tensorboard(cfg)
     if cfg.ifname:
         check_interface(cfg.ifname)
     if launcher is None or launcher.rank == 0:

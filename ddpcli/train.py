@@ -37,6 +37,7 @@ from ddpcli.data.sets import SKIPPED_IMAGES_FILE
 from ddpcli.dist import DistContext, all_reduce_max, all_reduce_sum, barrier
 from ddpcli.errors import DdpcliError, runtime_error
 from ddpcli.models import build_model
+from ddpcli.steplog import StepLog
 from ddpcli.strategy import batch_split, model_devices, unwrap, wrap_model
 from ddpcli.timing import synced_clock, synchronize
 
@@ -134,6 +135,7 @@ class Trainer:
         self.out = cfg.resolved_out
         self.saved_step: int | None = None  # the step of the newest checkpoint in --out
         self.finite_step = 0  # the last step at which the loss was checked and finite
+        self.steplog = StepLog(self.out, ctx.is_main, tensorboard=cfg.tensorboard)
 
     # --- checkpoints
     def parts(self) -> TrainingParts:
@@ -174,9 +176,10 @@ class Trainer:
             return last
         if self.ctx.is_main:  # each epoch once, even if the interrupted run wrote one more
             write_metrics_history(self.out / "metrics.jsonl", self.state.history)
+        self.steplog.start(self.state.step)
         self.announce()
         progress = ui.TrainProgress(self.ctx.is_main, self.cfg.epochs, self.data.steps_per_epoch())
-        with progress:
+        with progress, self.steplog:
             while self.state.epoch < self.cfg.epochs and not self.reached_max_steps():
                 last = self.run_epoch(progress)
                 if self.state.batch_in_epoch < self.micro_total:
@@ -296,6 +299,7 @@ class Trainer:
         sums = torch.zeros(3, device=ctx.device, dtype=torch.float64)  # loss, correct, count
         if state.partial_sums and ctx.is_main:
             sums += torch.tensor(state.partial_sums, device=ctx.device, dtype=torch.float64)
+        self.steplog.start_epoch(state.partial_sums)
         state.partial_sums = None
         batches = self.data.train_batches(state.epoch, skip_batches=state.batch_in_epoch)
         micro_total = self.data.steps_per_epoch()
@@ -391,19 +395,33 @@ class Trainer:
         last_micro: bool,
     ) -> None:
         state, cfg = self.state, self.cfg
-        if state.step % cfg.log_every == 0 or last_micro:
-            loss, acc = self.reduce_means(sums)
-            progress.update(state.batch_in_epoch, loss, acc, timer.running_rate(self.ctx))
-        saves_now = cfg.save_every_steps and state.step % cfg.save_every_steps == 0
+        logs_now = state.step % cfg.log_every == 0 or last_micro
         # At the epoch's end, or at --max-steps, the run saves anyway.
-        if saves_now and not last_micro and not self.reached_max_steps():
-            state.partial_sums = self.reduce_sums(sums)
+        every = cfg.save_every_steps
+        saves_now = bool(every) and state.step % (every or 1) == 0
+        saves_now = saves_now and not last_micro and not self.reached_max_steps()
+        # steps.jsonl also gets a row where a resume may start (a save, --max-steps), so
+        # that its rows cover every step once, however often the run is resumed.
+        if not (logs_now or saves_now or self.reached_max_steps()):
+            return
+        totals = self.reduce_sums(sums)
+        self.log_step(totals)
+        if logs_now:
+            progress.update(state.batch_in_epoch, *means(totals), timer.running_rate(self.ctx))
+        if saves_now:
+            state.partial_sums = totals
             self.check_weights()
             self.save_checkpoint(f"step-{state.step:08d}.pt", is_best=False)
             state.partial_sums = None
 
-    def reduce_means(self, sums: torch.Tensor) -> tuple[float, float]:
-        return means(self.reduce_sums(sums))
+    def log_step(self, totals: list[float]) -> None:
+        state = self.state
+        position = {
+            "step": state.step,
+            "epoch": state.epoch + 1,
+            "epoch_fraction": state.batch_in_epoch / self.micro_total,
+        }
+        self.steplog.record(position, totals, float(self.scheduler.get_last_lr()[0]))
 
     def reduce_sums(self, sums: torch.Tensor) -> list[float]:
         """The epoch's [loss sum, correct, count] so far, over all ranks. Every rank gets
@@ -478,6 +496,7 @@ class Trainer:
         if self.ctx.is_main:
             with open(self.out / "metrics.jsonl", "a") as handle:
                 handle.write(ui.json_text(metrics) + "\n")
+            self.steplog.epoch_end(metrics)
             ui.epoch_line(metrics, self.cfg.epochs)
         self.save_checkpoint(f"epoch-{state.epoch:04d}.pt", is_best=is_best)
         barrier(self.ctx)

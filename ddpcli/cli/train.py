@@ -223,6 +223,7 @@ def train(
         train_option("log_dir", "One log file per rank.", OUTPUT, default="none: the terminal"),
     ] = None,
     log_every: Annotated[int | None, train_option("log_every", panel=OUTPUT)] = None,
+    tensorboard: Annotated[bool | None, train_option("tensorboard", panel=OUTPUT)] = None,
     dry_run: Annotated[
         bool, typer.Option("--dry-run", help="Print the resolved config and exit.")
     ] = False,
@@ -310,8 +311,11 @@ def report_training(cfg, summary: dict, json_output: bool) -> None:
             f"decoded: listed in {summary['skipped_images_file']}"
         )
     ui.info(
-        f"outputs in {summary.get('out')}: metrics.jsonl, config.json, checkpoints/last.pt, best.pt"
+        f"outputs in {summary.get('out')}: metrics.jsonl, steps.jsonl, config.json, "
+        "checkpoints/last.pt, best.pt"
     )
+    if summary.get("curves"):
+        ui.info(f"curves: {summary['curves']} (compare runs: ddpcli plot RUN_DIR RUN_DIR ...)")
     if cfg.cpu:
         ui.info(
             "to scale up: `ddpcli train --gpus 0,1 --recipe recipes/stl10-resnet18.toml` on a GPU "

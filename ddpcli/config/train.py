@@ -139,7 +139,14 @@ class TrainConfig(BaseModel):
     save_every_steps: int | None = Field(None, ge=1)
     keep_last: int = Field(3, ge=0)
     log_dir: Path | None = None
-    log_every: int = Field(10, ge=1, description="steps between progress lines")
+    log_every: int = Field(
+        10, ge=1, description="optimizer steps between progress lines and steps.jsonl rows"
+    )
+    tensorboard: bool = Field(
+        False,
+        description="also write TensorBoard event files to OUT/tensorboard (needs the "
+        "tensorboard package: pip install 'ddpcli[tensorboard]')",
+    )
     # debugging: each rank appends the sample indices of every training batch to PATH.rankN
     trace_samples: Path | None = None
     # Resolved, never given: --lr scaled to the global batch of the world that really runs
