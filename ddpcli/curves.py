@@ -175,14 +175,19 @@ def write_bytes_atomic(path: Path, data: bytes) -> None:
 
 
 def draw_text(
-    runs: Sequence[RunCurves], panels: Sequence[tuple[str, tuple[str, ...]]], width: int
+    runs: Sequence[RunCurves],
+    panels: Sequence[tuple[str, tuple[str, ...]]],
+    width: int,
+    color: bool,
 ) -> str:
-    """The same panels as text, one chart under the other, for a terminal."""
+    """The same panels as text, one chart under the other, for a terminal (COLOR: the
+    terminal's own background, coloured lines; else plain text for a file or a pipe)."""
     import plotext
 
     charts = []
     for panel, names in panels:
         plotext.clear_figure()
+        plotext.theme("clear")
         plotext.plotsize(width, 14)
         for run in runs:
             for name in names:
@@ -192,7 +197,8 @@ def draw_text(
                     plotext.plot(series.steps, series.values, label=label, marker="braille")
         plotext.title(TITLES[panel])
         plotext.xlabel("step")
-        charts.append(plotext.build())
+        chart = plotext.build()
+        charts.append(chart if color else plotext.uncolorize(chart))
     plotext.clear_figure()
     return "\n".join(charts)
 

@@ -28,6 +28,7 @@ from ddpcli import ui
 from ddpcli.config import TrainConfig
 from ddpcli.environments import LauncherEnv, restarted_by
 from ddpcli.errors import usage_error
+from ddpcli.steplog import TENSORBOARD_DIR
 
 LOCK_FILE = ".lock"
 # What a run writes in --out; `--overwrite` removes these and nothing else.
@@ -219,6 +220,12 @@ def clear_earlier_run(out: Path) -> None:
                 path.unlink(missing_ok=True)
         with contextlib.suppress(OSError):  # not empty: files of the user's own stay
             checkpoints.rmdir()
+    board = out / TENSORBOARD_DIR  # --tensorboard's event files
+    if board.is_dir():
+        for path in board.glob("events.out.tfevents.*"):
+            path.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            board.rmdir()
     if found:
         ui.warn(f"--overwrite: removed the earlier run in {out} ({found})")
 

@@ -15,6 +15,7 @@ COMMANDS = [
     ["check-env", "--help"],
     ["checkpoint", "--help"],
     ["checkpoint", "verify", "--help"],
+    ["plot", "--help"],
 ]
 
 
@@ -32,12 +33,13 @@ def run_importing(*args: str) -> tuple[subprocess.CompletedProcess, list[str]]:
 def test_help_answers_without_importing_torch(args):
     result, imported = run_importing(*args)
     assert "torch" not in imported
+    assert "matplotlib" not in imported and "plotext" not in imported
     assert "Usage" in result.stdout
 
 
 def test_help_lists_the_four_commands():
     result = run_cli("--help", timeout=60)
-    for command in ("train", "bench-barrier", "check-env", "checkpoint"):
+    for command in ("train", "bench-barrier", "check-env", "checkpoint", "plot"):
         assert command in result.stdout
 
 

@@ -74,9 +74,10 @@ def plot(
                 ],
             })  # fmt: skip
             return
-        if text or (text is None and sys.stdout.isatty()):
+        terminal = sys.stdout.isatty()
+        if text or (text is None and terminal):
             width = min(shutil.get_terminal_size().columns, 120)
-            sys.stdout.write(draw_text(curves, panels, width) + "\n")
+            sys.stdout.write(draw_text(curves, panels, width, color=terminal) + "\n")
         steps = ", ".join(f"{run.label} to step {run.last_step}" for run in curves)
         ui.info(f"curves of {steps}: {out}")
 
