@@ -49,7 +49,7 @@ def plot(
         bool, typer.Option("--json", help="Print what was drawn as JSON.")
     ] = False,
 ) -> None:
-    """Draw loss, accuracy and learning rate against steps for one or several runs.
+    """Draw the training curves of one or several runs.
 
     Train values come per logging interval (steps.jsonl), validation per epoch
     (metrics.jsonl); a run that is still going is drawn up to its last row."""
