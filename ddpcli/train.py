@@ -37,7 +37,7 @@ from ddpcli.data.sets import SKIPPED_IMAGES_FILE
 from ddpcli.dist import DistContext, all_reduce_max, all_reduce_sum, barrier
 from ddpcli.errors import DdpcliError, runtime_error
 from ddpcli.models import build_model
-from ddpcli.strategy import batch_split, model_devices, unwrap, wrap_model
+from ddpcli.strategy import AUTOCAST_DTYPES, batch_split, model_devices, unwrap, wrap_model
 from ddpcli.timing import synced_clock, synchronize
 
 TIMING_WARMUP_STEPS = 3  # the first steps pay for allocation and autotuning; not timed
@@ -96,7 +96,7 @@ def use_peak_lr(scheduler: torch.optim.lr_scheduler.LambdaLR, peak_lr: float) ->
 
 
 def autocast_context(cfg: TrainConfig, ctx: DistContext) -> AbstractContextManager[object]:
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision)
+    dtype = AUTOCAST_DTYPES.get(cfg.precision)
     if dtype is None:
         return contextlib.nullcontext()
     return torch.autocast(device_type=ctx.device.type, dtype=dtype)

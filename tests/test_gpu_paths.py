@@ -1,0 +1,159 @@
+"""The CUDA paths checked on the CPU where a stand-in can show the defect: no per-batch copy
+from the host on the device data path (the `meta` device stands in for a GPU), no host copy
+of a set kept on the device, DataParallel replicas in the configured precision and layout.
+Where only a GPU can show it, the test is marked `gpu`."""
+
+import gc
+import sys
+import threading
+import weakref
+
+import pytest
+import torch
+from torch import nn
+
+from ddpcli import strategy
+from ddpcli.config import TrainConfig
+from ddpcli.data import device, pipeline, sets
+from ddpcli.dist import DistContext
+
+META = torch.device("meta")  # a device that is not the host: every copy to it is visible
+
+
+def tiny_set(count: int = 20, side: int = 12) -> sets.ImageSet:
+    images = torch.randint(0, 256, (count, 3, side, side), dtype=torch.uint8)
+    return sets.ImageSet(images, torch.arange(count) % 3)
+
+
+@pytest.fixture
+def host_copies(monkeypatch):
+    """Every `.to` that moves a tensor from the host to another device, as it happens."""
+    copies: list[tuple[int, ...]] = []
+    real_to = torch.Tensor.to
+
+    def spying_to(self, *args, **kwargs):
+        moved = real_to(self, *args, **kwargs)
+        if self.device.type == "cpu" and moved.device.type != "cpu":
+            copies.append(tuple(self.shape))
+        return moved
+
+    monkeypatch.setattr(torch.Tensor, "to", spying_to)
+    return copies
+
+
+@pytest.mark.parametrize("augment", ["crop-flip", "rrc", "none"])
+def test_device_batches_copy_nothing_from_the_host_per_batch(host_copies, augment):
+    batches = device.DeviceResidentBatches(
+        tiny_set(), list(range(20)), 4, META, [0.5] * 3, [0.2] * 3, augment, 1, 0,
+        image_size=8,
+    )  # fmt: skip
+    copied_per_epoch = len(host_copies)
+    shapes = [(tuple(images.shape), tuple(labels.shape)) for images, labels in batches]
+    assert (
+        shapes == [((4, 3, 8 if augment == "rrc" else 12, 8 if augment == "rrc" else 12), (4,))] * 5
+    )
+    assert host_copies[copied_per_epoch:] == []  # a blocking copy per batch waits for the GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("augment", ["crop-flip", "rrc", "none"])
+def test_device_batches_never_synchronise_the_gpu(augment):
+    batches = device.DeviceResidentBatches(
+        tiny_set(64, 16), list(range(64)), 16, torch.device("cuda"), [0.5] * 3, [0.2] * 3,
+        augment, 1, 0, channels_last=True, drop_last=True, image_size=16,
+    )  # fmt: skip
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for images, labels in batches:
+            images.sum(), labels.sum()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def test_a_set_kept_on_the_device_leaves_no_host_copy(tmp_path):
+    splits = sets.synthetic_splits(40, 8, seed=1)
+    host_images = weakref.ref(splits.train.images)
+    cfg = TrainConfig(arch="tinycnn", image_size=8, per_gpu_batch=4, out=tmp_path, cpu=True)
+    ctx = DistContext(0, 0, 1, 1, 0, META, "gloo")
+    data = pipeline.DataPipeline(splits, cfg, ctx, device_resident=True)
+    gc.collect()
+    assert host_images() is None  # the whole set held twice, per rank, otherwise
+    assert {data.train_set.images.device, data.train_set.labels.device} == {META}
+    assert data.splits.val.images.device == META
+
+
+# --- DataParallel: precision and layout of the replicas -------------------------------------
+
+
+class DtypeProbe(nn.Module):
+    """Records the dtype its matmul ran in, on the thread that ran it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.seen: list[torch.dtype] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.linear(x)
+        self.seen.append(out.dtype)
+        return out
+
+
+def threaded_apply(modules, inputs, kwargs_tup=None, devices=None):
+    """torch's parallel_apply on the CPU: each replica in its own thread, autocast enabled
+    there without a dtype, exactly as torch 2.14's worker threads do it."""
+    enabled = torch.is_autocast_enabled("cpu")
+    results: list[torch.Tensor | None] = [None] * len(modules)
+
+    def work(position: int) -> None:
+        with torch.autocast("cpu", enabled=enabled):
+            results[position] = modules[position](*inputs[position])
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(modules))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    return results
+
+
+def test_dataparallel_replicas_run_in_the_configured_precision(monkeypatch):
+    # A new thread's autocast dtype is the device's default (bf16 on the CPU, fp16 on CUDA),
+    # whatever the caller's autocast says: ask for the other one.
+    data_parallel_module = sys.modules["torch.nn.parallel.data_parallel"]
+    monkeypatch.setattr(data_parallel_module, "parallel_apply", threaded_apply)
+    probes = [DtypeProbe(), DtypeProbe()]
+    parallel = strategy.PrecisionDataParallel(
+        DtypeProbe(), device_ids=None, autocast=("cpu", torch.float16)
+    )
+    with torch.autocast("cpu", dtype=torch.float16):
+        parallel.parallel_apply(probes, [(torch.ones(2, 4),)] * 2, None)
+    assert [probe.seen for probe in probes] == [[torch.float16], [torch.float16]]
+
+
+def test_dataparallel_replicas_keep_channels_last(monkeypatch):
+    def broadcast_as_torch_does(tensors, devices, detach=False):
+        # comm.broadcast_coalesced flattens the tensors: every copy comes back contiguous.
+        return [[t.detach().clone().contiguous() for t in tensors] for _ in devices]
+
+    replicate_module = sys.modules["torch.nn.parallel.replicate"]
+    monkeypatch.setattr(replicate_module, "_broadcast_coalesced_reshape", broadcast_as_torch_does)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.Conv2d(8, 4, 1))
+    model = model.to(memory_format=torch.channels_last)
+    parallel = strategy.PrecisionDataParallel(model, device_ids=None, channels_last=True)
+    for replica in parallel.replicate(model, [0, 1]):
+        weights = [replica[0].weight, replica[2].weight]
+        assert all(w.is_contiguous(memory_format=torch.channels_last) for w in weights)
+        assert torch.equal(replica[0].weight, model[0].weight)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_dataparallel_on_two_gpus_runs_bf16_in_every_replica():
+    probe = DtypeProbe().cuda()
+    parallel = strategy.PrecisionDataParallel(
+        probe, device_ids=[0, 1], autocast=("cuda", torch.bfloat16), channels_last=True
+    )
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out = parallel(torch.ones(8, 4, device="cuda"))
+    assert out.dtype == torch.bfloat16
