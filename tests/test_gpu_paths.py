@@ -10,12 +10,14 @@ import weakref
 
 import pytest
 import torch
+from conftest import run_cli
 from torch import nn
 
-from ddpcli import strategy
+from ddpcli import strategy, worker
 from ddpcli.config import TrainConfig
 from ddpcli.data import device, pipeline, sets
 from ddpcli.dist import DistContext
+from ddpcli.environments import LauncherEnv
 
 META = torch.device("meta")  # a device that is not the host: every copy to it is visible
 
@@ -157,3 +159,41 @@ def test_dataparallel_on_two_gpus_runs_bf16_in_every_replica():
     with torch.autocast("cuda", dtype=torch.bfloat16):
         out = parallel(torch.ones(8, 4, device="cuda"))
     assert out.dtype == torch.bfloat16
+
+
+# --- A failed rank ends at once --------------------------------------------------------------
+
+
+def test_a_failed_rank_does_not_tear_down_its_group(monkeypatch, tmp_path):
+    """destroy_process_group after a CUDA OOM mid-backward can wait for the other ranks'
+    watchdogs (--timeout) before anyone hears of the failure: the worker must not call it."""
+    ctx = DistContext(1, 1, 2, 2, 0, torch.device("cpu"), "gloo")
+
+    def out_of_memory(cfg, ctx):
+        raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    def teardown_that_hangs():
+        raise AssertionError("destroy_process_group called after a failure: it can hang")
+
+    monkeypatch.setattr(worker, "init_distributed", lambda env, **kwargs: ctx)
+    monkeypatch.setattr(worker, "train_and_summarise", out_of_memory)
+    monkeypatch.setattr(worker, "shutdown", teardown_that_hangs)
+    env = LauncherEnv(rank=1, local_rank=1, world_size=2, local_world_size=2)
+    with pytest.raises(RuntimeError, match="CUDA out of memory"):
+        worker.run_worker(TrainConfig(cpu=True, out=tmp_path), env)
+
+
+def test_a_failed_rank_under_torchrun_says_which_rank_in_one_line(tmp_path):
+    """Adopted by an outside launcher, with a live group (file:// init), a rank that fails
+    mid-epoch (here: its sample trace cannot be written) names itself and exits 1."""
+    out = tmp_path / "run"
+    env = dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+               DDPCLI_TRACE_SAMPLES=str(tmp_path / "missing" / "trace"))  # fmt: skip
+    result = run_cli(
+        "train", "--cpu", "--arch", "tinycnn", "--image-size", "16", "--epochs", "1",
+        "--per-gpu-batch", "16", "--timeout", "60", "--out", str(out),
+        "--init-method", f"file://{tmp_path / 'init'}", env=env, timeout=90,
+    )  # fmt: skip
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert "rank 0: FileNotFoundError" in result.stderr
+    assert "Traceback" not in result.stderr and "Abort" not in result.stderr
