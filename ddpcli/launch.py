@@ -87,6 +87,9 @@ def worker_environment(
     env: dict[str, str] = {}
     if gpus:
         # Physical indices -> the workers see only these, renumbered cuda:0.., cuda:N-1.
+        # CUDA's own order puts the fastest GPU first: on a node of mixed GPUs its index 0
+        # is not nvidia-smi's GPU 0 unless the order is the PCI bus's.
+        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(index) for index in gpus)
     else:
         env["OMP_NUM_THREADS"] = str(max(1, cpu_count() // nproc_per_node))
