@@ -13,7 +13,7 @@ import torch
 from conftest import run_cli
 from torch import nn
 
-from ddpcli import strategy, worker
+from ddpcli import strategy, train, worker
 from ddpcli.config import TrainConfig
 from ddpcli.data import device, pipeline, sets
 from ddpcli.dist import DistContext
@@ -197,3 +197,43 @@ def test_a_failed_rank_under_torchrun_says_which_rank_in_one_line(tmp_path):
     assert result.returncode == 1, result.stderr[-2000:]
     assert "rank 0: FileNotFoundError" in result.stderr
     assert "Traceback" not in result.stderr and "Abort" not in result.stderr
+
+
+# --- TF32 under --precision fp32 on CUDA -----------------------------------------------------
+
+
+@pytest.fixture
+def restore_float32_math():
+    matmul, conv = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+    benchmark = torch.backends.cudnn.benchmark
+    yield
+    torch.set_float32_matmul_precision(matmul)
+    torch.backends.cudnn.allow_tf32, torch.backends.cudnn.benchmark = conv, benchmark
+
+
+def test_fp32_on_cuda_uses_tf32_and_says_so(restore_float32_math):
+    torch.set_float32_matmul_precision("highest")  # torch's default: IEEE fp32 matmuls
+    train.configure_cuda_math("fp32", torch.device("cuda", 0))  # sets flags only: no GPU needed
+    assert torch.get_float32_matmul_precision() == "high"
+    assert torch.backends.cudnn.allow_tf32
+    text = train.describe_precision("fp32", torch.device("cuda", 0))
+    assert text == "fp32 (TF32 tensor cores in matmuls and convolutions)"
+
+
+@pytest.mark.parametrize("precision,device_type", [("bf16", "cuda"), ("fp32", "cpu")])
+def test_tf32_only_where_fp32_runs_on_cuda(restore_float32_math, precision, device_type):
+    torch.set_float32_matmul_precision("highest")
+    train.configure_cuda_math(precision, torch.device(device_type))
+    assert torch.get_float32_matmul_precision() == "highest"
+    assert train.describe_precision(precision, torch.device(device_type)) == precision
+
+
+@pytest.mark.gpu
+def test_an_fp32_run_on_the_gpu_states_tf32_in_its_header(tmp_path):
+    result = run_cli(
+        "train", "--gpus", "0", "--arch", "tinycnn", "--image-size", "16", "--epochs", "1",
+        "--per-gpu-batch", "16", "--precision", "fp32", "--out", str(tmp_path / "run"),
+        timeout=180,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "precision fp32 (TF32 tensor cores in matmuls and convolutions)" in result.stderr
