@@ -10,7 +10,7 @@ import weakref
 
 import pytest
 import torch
-from conftest import run_cli
+from conftest import clean_env, run_cli
 from torch import nn
 
 from ddpcli import strategy, train, worker
@@ -237,3 +237,50 @@ def test_an_fp32_run_on_the_gpu_states_tf32_in_its_header(tmp_path):
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
     assert "precision fp32 (TF32 tensor cores in matmuls and convolutions)" in result.stderr
+
+
+# --- Rank 0 prepares the data while the others wait on the store -----------------------------
+
+PREPARE_RANK = """
+import datetime, sys, time
+import torch, torch.distributed as dist
+from ddpcli.dist import DistContext, rank_zero_prepares
+from ddpcli.errors import DdpcliError
+rank, init, wait_s = int(sys.argv[1]), sys.argv[2], float(sys.argv[3])
+# The group's own timeout (--timeout) is far shorter than rank 0's preparation.
+dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2,
+                        timeout=datetime.timedelta(seconds=2))
+ctx = DistContext(rank, rank, 2, 2, 0, torch.device("cpu"), "gloo")
+try:
+    with rank_zero_prepares(ctx, "download STL-10", timeout_s=wait_s):
+        if rank == 0:
+            time.sleep(5)
+except DdpcliError as error:
+    print(error.message, file=sys.stderr)
+    sys.exit(error.exit_code)
+dist.destroy_process_group()
+"""
+
+
+def prepare_in_two_ranks(tmp_path, wait_s: float):
+    from test_faults import run_together
+
+    init = f"file://{tmp_path / 'init'}"
+    commands = [
+        ([sys.executable, "-c", PREPARE_RANK, str(rank), init, str(wait_s)], clean_env())
+        for rank in (0, 1)
+    ]
+    return run_together(commands, timeout=60)
+
+
+def test_the_others_wait_for_rank_zero_beyond_the_group_timeout(tmp_path):
+    """A download longer than --timeout no longer kills the job (an NCCL barrier did)."""
+    rank0, rank1 = prepare_in_two_ranks(tmp_path, wait_s=30)
+    assert (rank0.returncode, rank1.returncode) == (0, 0), rank1.stderr[-1500:]
+    assert "rank 1 waits for rank 0 to download STL-10" in rank1.stderr
+
+
+def test_a_preparation_that_never_ends_is_named_by_the_waiting_rank(tmp_path):
+    _, rank1 = prepare_in_two_ranks(tmp_path, wait_s=1)
+    assert rank1.returncode == 1
+    assert "rank 1: rank 0 did not download STL-10 within 1s" in rank1.stderr
