@@ -50,10 +50,11 @@ def physical_gpu_count() -> int:
     return torch.cuda.device_count() if "CUDA_VISIBLE_DEVICES" not in os.environ else 0
 
 
-def granted_gpus() -> list[int] | None:
+def granted_gpus(count: int) -> list[int] | None:
     """The GPUs CUDA_VISIBLE_DEVICES grants this shell (a user's choice, or a scheduler's
     without device cgroups), as nvidia-smi indices; None when it is unset. Its entries are
-    read in nvidia-smi's order, the CUDA_DEVICE_ORDER=PCI_BUS_ID our workers run with."""
+    read in nvidia-smi's order, the CUDA_DEVICE_ORDER=PCI_BUS_ID our workers run with.
+    `count`: the GPUs nvidia-smi lists; an entry beyond them is refused."""
     value = os.environ.get("CUDA_VISIBLE_DEVICES")
     if value is None:
         return None
@@ -63,6 +64,11 @@ def granted_gpus() -> list[int] | None:
         if entry.startswith("-"):  # CUDA stops at a negative entry: "-1" hides every GPU
             break
         index = gpu_index_of(entry, value)
+        if index >= count:
+            raise usage_error(
+                f"CUDA_VISIBLE_DEVICES={value} names GPU {index}, which does not exist (this "
+                f"machine has GPUs 0..{count - 1}); list indices as nvidia-smi shows them"
+            )
         if index in granted:
             raise usage_error(f"CUDA_VISIBLE_DEVICES={value} names GPU {index} twice; list it once")
         granted.append(index)
@@ -97,7 +103,7 @@ def check_gpu_indices(indices: list[int] | None, cpu_alternative: str) -> None:
             f"invalid --gpus: GPU {missing[0]} does not exist (this machine has {have}); "
             f"list indices as nvidia-smi shows them, or use {cpu_alternative}"
         )
-    granted = granted_gpus()
+    granted = granted_gpus(count)
     refused = [index for index in indices if granted is not None and index not in granted]
     if refused:
         shares = ",".join(map(str, granted or [])) or "none"

@@ -79,10 +79,9 @@ def resolve_devices(values: dict[str, Any]) -> None:
         return
     if values["gpus"] is None:
         count = physical_gpu_count()
-        granted = granted_gpus() if count else []  # a CPU machine may carry the variable too
+        granted = granted_gpus(count) if count else []  # a CPU machine may carry it too
         gpus = list(range(count)) if granted is None else granted
         if gpus:
-            check_gpu_indices(gpus, cpu_alternative="--cpu")
             values["gpus"] = gpus
         else:
             values["cpu"], values["nproc"] = True, values["nproc"] or 2

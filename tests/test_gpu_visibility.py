@@ -90,3 +90,10 @@ def test_workers_number_gpus_in_nvidia_smi_order():
     env = worker_environment([2, 3], nproc_per_node=2)
     assert env["CUDA_VISIBLE_DEVICES"] == "2,3"
     assert env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"  # CUDA's default puts the fastest first
+
+
+def test_a_granted_gpu_that_does_not_exist_is_refused(four_gpus):
+    four_gpus.setenv("CUDA_VISIBLE_DEVICES", "1,7")
+    result = dry_run()
+    assert result.exit_code == 2
+    assert "CUDA_VISIBLE_DEVICES=1,7 names GPU 7, which does not exist" in result.stderr
