@@ -10,7 +10,7 @@ image size, per-process batch, precision and world size. Rounds are interleaved,
 change in the machine's load hits every contender alike; tables show medians.
 
  1. Throughput, time from command to first optimizer step, peak memory per GPU (on the
-    CPU: peak RSS per rank) and the fraction of the GPU's peak dense bf16 FLOP/s, for
+    CPU: peak RSS per rank) and MFU (the FLOP/s of one GPU, over its peak dense bf16 FLOP/s), for
       ddpcli, synthetic set in device memory        (--data-path device)
       ddpcli, JPEG folder decoded once into memory  (--dataset imagefolder --data-path device)
       ddpcli, JPEG folder through DataLoader workers (--data-path loader)
@@ -19,6 +19,8 @@ change in the machine's load hits every contender alike; tables show medians.
       torchvision reference recipe's data pipeline  (peers/reference_pipeline.py)
     The JPEG folder is written here from the synthetic set (the same pixels), so "files"
     against "synthetic" isolates the cost of reading and decoding.
+ 1b. MFU where the GPU, not the launch of its kernels, sets the pace: resnet50 at 224 px
+    (ddpcli and the minimal loop; resnet18 at 96 px is launch-bound on an H100).
  2. Each data path alone, without a model: images/s it hands to the device per rank,
     against the training rate per rank. Where the first is not well above the second,
     the data path is the bottleneck.
@@ -52,9 +54,19 @@ PEERS = Path(__file__).resolve().parent / "peers"
 WARMUP_STEPS = 3  # ddpcli.train.TIMING_WARMUP_STEPS; the peers use the same
 LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
                       "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")  # fmt: skip
-# Dense (not sparse) bf16 tensor-core peaks from the datasheets, TFLOP/s; the first name
-# contained in torch.cuda.get_device_name() wins, so the specific ones come first.
-PEAK_BF16_TFLOPS = [("H100 PCIe", 756.0), ("H100", 989.0), ("H200", 989.0), ("A100", 312.0)]
+# Dense (not sparse: the datasheets' headline figures are twice these) bf16 tensor-core
+# peaks, TFLOP/s; the first name contained in torch.cuda.get_device_name() wins, so the
+# specific ones come first. The NVL and PCIe cards run at lower clocks and power than SXM.
+PEAK_BF16_TFLOPS = [
+    ("H100 NVL", 835.0),
+    ("H100 PCIe", 756.0),
+    ("H200 NVL", 835.0),
+    ("H100", 989.0),  # SXM ("H100 80GB HBM3")
+    ("H200", 989.0),
+    ("A100", 312.0),
+]
+# The compute-bound model MFU is quoted at (table 1b): arch, image size, per-process batch.
+MFU_MODEL = ("resnet50", 224, 64)
 
 
 @dataclass(frozen=True)
@@ -86,6 +98,11 @@ class Contender:
     peer_args: tuple[str, ...] = ()
     nproc: int | None = None  # None: the setup's
     per_process_batch: int | None = None  # None: the setup's
+    arch: str | None = None  # None: the setup's
+    image_size: int | None = None  # None: the setup's
+
+    def model(self, setup: Setup) -> tuple[str, int]:
+        return self.arch or setup.arch, self.image_size or setup.image_size
 
 
 @dataclass
@@ -131,6 +148,7 @@ def cpu_pinning(setup: Setup, nproc: int) -> list[str]:
 
 def contender_command(contender: Contender, setup: Setup, scratch: Path, nproc: int) -> list[str]:
     batch = contender.per_process_batch or setup.batch
+    arch, image_size = contender.model(setup)
     if contender.script is None:
         devices = (
             ["--cpu", "--nproc", str(nproc)]
@@ -139,7 +157,7 @@ def contender_command(contender: Contender, setup: Setup, scratch: Path, nproc: 
         )
         return [
             sys.executable, "-m", "ddpcli", "train", *devices,
-            "--arch", setup.arch, "--image-size", str(setup.image_size),
+            "--arch", arch, "--image-size", str(image_size),
             "--per-gpu-batch", str(batch), "--precision", setup.precision,
             "--epochs", "1", "--max-steps", str(setup.total_steps),
             "--workers", str(setup.workers), "--out", str(scratch / "out"),
@@ -148,7 +166,7 @@ def contender_command(contender: Contender, setup: Setup, scratch: Path, nproc: 
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     return [
         *torchrun, "--nproc-per-node", str(nproc), str(PEERS / contender.script),
-        "--arch", setup.arch, "--image-size", str(setup.image_size), "--batch", str(batch),
+        "--arch", arch, "--image-size", str(image_size), "--batch", str(batch),
         "--steps", str(setup.steps), "--warmup", str(WARMUP_STEPS),
         "--precision", setup.precision, "--result", str(scratch / "result.json"),
         *(["--cpu"] if setup.cpu else []), *contender.peer_args,
@@ -212,6 +230,22 @@ def comparison_contenders(setup: Setup, jpeg_dir: Path, stl10_dir: Path | None) 
         contenders.insert(1, Contender("ddpcli_stl10_device", "ddpcli · STL-10 · device path",
                                        ddpcli_args=stl10))  # fmt: skip
     return contenders
+
+
+def mfu_contenders(setup: Setup) -> list[Contender]:
+    """ddpcli and the minimal loop at MFU_MODEL, on the GPU only (the CPU has no peak)."""
+    if setup.cpu:
+        return []
+    arch, size, batch = MFU_MODEL
+    model = dict(arch=arch, image_size=size, per_process_batch=batch)
+    synthetic = ("--dataset", "synthetic", "--synthetic-size",
+                 str(setup.nproc * batch * setup.total_steps), "--data-path", "device")  # fmt: skip
+    return [
+        Contender("mfu_ddpcli", f"ddpcli · {arch} {size} px · device path",
+                  ddpcli_args=synthetic, **model),
+        Contender("mfu_minimal_loop", f"minimal DDP loop · {arch} {size} px",
+                  script="minimal_ddp_loop.py", **model),
+    ]  # fmt: skip
 
 
 def scaling_contenders(setup: Setup) -> list[Contender]:
@@ -288,7 +322,8 @@ def measure_in_process(setup: Setup, jpeg_dir: Path, out: Path) -> None:
     figures = {
         "data_paths": data_path_rates(setup, jpeg_dir, device),
         "decode_ms": decode_times(jpeg_dir, device),
-        "train_gflop_per_image": train_gflop_per_image(setup),
+        "train_gflop_per_image": train_gflop_per_image(setup.arch, setup.image_size),
+        "mfu_gflop_per_image": 0.0 if setup.cpu else train_gflop_per_image(*MFU_MODEL[:2]),
         "device_name": device_name(device),
     }
     out.write_text(json.dumps(figures) + "\n")
@@ -384,16 +419,16 @@ def decode_times(jpeg_dir: Path, device, count: int = 200) -> dict[str, float]:
     return times
 
 
-def train_gflop_per_image(setup: Setup) -> float:
+def train_gflop_per_image(arch: str, image_size: int) -> float:
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
     from ddpcli.models import build_model
 
-    model = build_model(setup.arch, num_classes=10).eval()  # batch norm over one image
+    model = build_model(arch, num_classes=10).eval()  # batch norm over one image
     counter = FlopCounterMode(display=False)
     with counter, torch.no_grad():
-        model(torch.zeros(1, 3, setup.image_size, setup.image_size))
+        model(torch.zeros(1, 3, image_size, image_size))
     return 3 * counter.get_total_flops() / 1e9  # backward costs about twice the forward
 
 
@@ -405,6 +440,16 @@ def device_name(device) -> str:
 
 def peak_tflops(name: str) -> float | None:
     return next((peak for key, peak in PEAK_BF16_TFLOPS if key in name), None)
+
+
+def tflops_per_gpu(images_per_sec: float, gflop_per_image: float, gpus: int) -> float:
+    """The FLOP/s one GPU does, in TFLOP/s: `images_per_sec` is summed over every rank."""
+    return images_per_sec * gflop_per_image / 1e3 / gpus
+
+
+def mfu(images_per_sec: float, gflop_per_image: float, gpus: int, peak: float) -> float:
+    """Model FLOPs utilisation: one GPU's achieved FLOP/s over its peak (both TFLOP/s)."""
+    return tflops_per_gpu(images_per_sec, gflop_per_image, gpus) / peak
 
 
 # --- Reporting ------------------------------------------------------------------------------
@@ -434,7 +479,7 @@ def fmt(value: float | None, digits: int = 1) -> str:
 def print_comparison(runs, contenders, setup: Setup, measured: dict, peak: float | None):
     gflop = measured["train_gflop_per_image"]
     memory = "peak RSS MB/rank" if setup.cpu else "peak GPU MB/rank"
-    flops = "% bf16 peak" if peak else "TFLOP/s"
+    flops = "MFU % bf16" if peak else "TFLOP/s/rank"
     print(
         f"\n1. throughput: {setup.arch}, {setup.image_size} px, per-process batch {setup.batch}, "
         f"{setup.nproc} rank(s), {setup.precision}, {setup.steps} steps timed after "
@@ -444,8 +489,7 @@ def print_comparison(runs, contenders, setup: Setup, measured: dict, peak: float
     for contender in contenders:
         rate = median_of(runs, contender.name, "images_per_sec")
         first = median_of(runs, contender.name, "first_step_s")
-        achieved = rate * gflop / 1e3 if rate else None  # TFLOP/s
-        share = fmt(100 * achieved / peak, 2) if achieved and peak else fmt(achieved, 4)
+        share = flops_column(rate, gflop, contender.nproc or setup.nproc, peak)
         print(
             f"{contender.label:<44}{fmt(rate):>10}{spread(runs, contender.name):>12}"
             f"{fmt(first, 2):>12}{median_memory(runs, contender.name):>19}{share:>13}"
@@ -460,6 +504,32 @@ def print_comparison(runs, contenders, setup: Setup, measured: dict, peak: float
         their_rate = median_of(runs, theirs, "images_per_sec")
         if ours_rate and their_rate:
             print(f"{ours} / {theirs}: {ours_rate / their_rate:.2f}x (medians)")
+
+
+def flops_column(rate: float | None, gflop: float, gpus: int, peak: float | None) -> str:
+    if not rate:
+        return "-"
+    if peak:
+        return fmt(100 * mfu(rate, gflop, gpus, peak), 2)
+    return fmt(tflops_per_gpu(rate, gflop, gpus), 4)
+
+
+def print_mfu(runs, contenders, setup: Setup, measured: dict, peak: float | None) -> None:
+    if not contenders:
+        return
+    arch, size, batch = MFU_MODEL
+    gflop = measured["mfu_gflop_per_image"]
+    print(
+        f"\n1b. MFU at a compute-bound size: {arch}, {size} px, per-process batch {batch}, "
+        f"{setup.nproc} GPU(s), {setup.precision}; {gflop:.2f} GFLOP per training image; "
+        f"peak {fmt(peak, 0)} TFLOP/s dense bf16 per GPU"
+    )
+    print(f"{'contender':<44}{'img/s':>10}{'TFLOP/s/GPU':>13}{'MFU %':>8}")
+    for contender in contenders:
+        rate = median_of(runs, contender.name, "images_per_sec")
+        achieved = tflops_per_gpu(rate, gflop, setup.nproc) if rate else None
+        share = fmt(100 * mfu(rate, gflop, setup.nproc, peak), 1) if rate and peak else "-"
+        print(f"{contender.label:<44}{fmt(rate):>10}{fmt(achieved):>13}{share:>8}")
 
 
 def print_data_paths(runs, setup: Setup, measured: dict) -> None:
@@ -614,17 +684,19 @@ def main() -> None:
         peak = args.peak_tflops or (None if setup.cpu else peak_tflops(measured["device_name"]))
         print(f"machine: {machine_line(measured)}; load {os.getloadavg()[0]:.2f}", flush=True)
         compared = comparison_contenders(setup, jpeg_dir, stl10)
+        mfu_models = mfu_contenders(setup)
         scaling = [] if args.no_scaling else scaling_contenders(setup)
         strategies = strategy_contenders(setup, gpus)
         runs: list[Run] = []
         for round_ in range(1, args.rounds + 1):
-            for contender in compared + scaling + strategies:
+            for contender in compared + mfu_models + scaling + strategies:
                 run = run_contender(contender, setup, round_, args.timeout)
                 runs.append(run)
                 status = run.error or f"{run.images_per_sec:.1f} img/s"
                 print(f"round {round_}/{args.rounds} {contender.name:<26} {status}", flush=True)
     print(f"load {os.getloadavg()[0]:.2f} at the end")
     print_comparison(runs, compared, setup, measured, peak)
+    print_mfu(runs, mfu_models, setup, measured, peak)
     print_data_paths(runs, setup, measured)
     if not args.no_scaling:
         print_scaling(runs, setup, scaling)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import itertools
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from ddpcli import ui
 from ddpcli.environments import LauncherEnv
 from ddpcli.errors import first_line, runtime_error, usage_error
 
@@ -159,6 +161,42 @@ def zero_first(ctx: DistContext) -> Iterator[None]:
     yield
     if ctx.is_main:
         barrier(ctx)
+
+
+PREPARE_TIMEOUT_S = 6 * 3600.0  # a download from a slow mirror, a one-time decode of ImageNet
+_preparations = itertools.count()  # every rank prepares the same things in the same order
+
+
+@contextlib.contextmanager
+def rank_zero_prepares(
+    ctx: DistContext, what: str, timeout_s: float = PREPARE_TIMEOUT_S
+) -> Iterator[None]:
+    """zero_first for work that may take far longer than --timeout (a download, a decode):
+    the other ranks wait on the store, not in a collective that --timeout bounds (and that
+    under NCCL would kill the job), up to `timeout_s`, and they say what they wait for."""
+    if not ctx.distributed:
+        yield
+        return
+    store = dist.distributed_c10d._get_default_store()
+    key = f"ddpcli/prepared/{next(_preparations)}"
+    if not ctx.is_main:
+        wait_for_rank_zero(store, key, ctx, what, timeout_s)
+    yield
+    if ctx.is_main:
+        store.set(key, "done")
+
+
+def wait_for_rank_zero(
+    store: dist.Store, key: str, ctx: DistContext, what: str, timeout_s: float
+) -> None:
+    if ctx.local_rank == 1:  # one line per node is enough
+        ui.info(f"rank {ctx.rank} waits for rank 0 to {what} (up to {timeout_s / 3600:g} h)")
+    try:
+        store.wait([key], datetime.timedelta(seconds=timeout_s))
+    except (RuntimeError, dist.DistError) as error:
+        raise runtime_error(
+            f"rank {ctx.rank}: rank 0 did not {what} within {timeout_s:g}s ({first_line(error)})"
+        ) from error
 
 
 def all_reduce_sum(tensor: torch.Tensor, ctx: DistContext) -> torch.Tensor:

@@ -12,6 +12,7 @@ import signal
 import socket
 import sys
 import tempfile
+import traceback
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,7 +21,14 @@ from typing import TYPE_CHECKING, Any
 from ddpcli import ui
 from ddpcli.config import TrainConfig
 from ddpcli.environments import LauncherEnv, read_launcher_env
-from ddpcli.errors import USAGE, DdpcliError, first_line, runtime_error, usage_error
+from ddpcli.errors import (
+    USAGE,
+    DdpcliError,
+    debug_requested,
+    first_line,
+    runtime_error,
+    usage_error,
+)
 from ddpcli.machine import cpu_count
 from ddpcli.process import freeze_imported_objects
 from ddpcli.resources import capacity_warnings
@@ -83,13 +91,25 @@ def draw_curves_after_stop(out: Path) -> None:
 def start_training(cfg: TrainConfig, launcher: LauncherEnv | None, debug: bool) -> dict[str, Any]:
     if launcher is None:
         return _launch_elastic(cfg, debug)
-    from ddpcli.worker import run_worker
-
     if cfg.gpus and launcher.rank == 0:
         ui.warn("--gpus is ignored under a launcher: each rank uses the GPU of its LOCAL_RANK")
     if cfg.ifname:  # this process is the worker: set them before its group forms
         os.environ["GLOO_SOCKET_IFNAME"] = os.environ["NCCL_SOCKET_IFNAME"] = cfg.ifname
-    return run_worker(cfg, launcher)
+    return run_adopted_worker(cfg, launcher, debug)
+
+
+def run_adopted_worker(cfg: TrainConfig, launcher: LauncherEnv, debug: bool) -> dict[str, Any]:
+    """This process is a rank of the launcher's world. A failed rank reports and ends at
+    once, as our own workers do: its live process group is never torn down (that can wait
+    for the other ranks' watchdogs) nor left to the interpreter's exit (Gloo can abort)."""
+    from ddpcli.worker import exit_for_error, run_worker
+
+    try:
+        return run_worker(cfg, launcher)
+    except Exception as error:
+        if debug_requested(debug):
+            traceback.print_exc()
+        exit_for_error(error, launcher.rank)
 
 
 def worker_environment(
@@ -99,6 +119,9 @@ def worker_environment(
     env: dict[str, str] = {}
     if gpus:
         # Physical indices -> the workers see only these, renumbered cuda:0.., cuda:N-1.
+        # CUDA's own order puts the fastest GPU first: on a node of mixed GPUs its index 0
+        # is not nvidia-smi's GPU 0 unless the order is the PCI bus's.
+        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(index) for index in gpus)
     else:
         env["OMP_NUM_THREADS"] = str(max(1, cpu_count() // nproc_per_node))

@@ -18,7 +18,7 @@ from ddpcli.data.sets import STL10_SIDE, check_data_source
 from ddpcli.environments import LauncherEnv
 from ddpcli.errors import usage_error
 from ddpcli.files import folder_write_problem
-from ddpcli.machine import check_gpu_indices, check_interface, physical_gpu_count
+from ddpcli.machine import check_gpu_indices, check_interface, granted_gpus, physical_gpu_count
 from ddpcli.tbwriter import INSTALL_HINT, tensorboard_installed
 
 DEFAULT_MASTER_PORT = 29500  # torchrun's
@@ -82,16 +82,19 @@ def check_writable_folder(path: Path, flag: str) -> None:
 
 
 def resolve_devices(values: dict[str, Any]) -> None:
-    """No --gpus: every GPU nvidia-smi lists, or the CPU when there is none."""
+    """No --gpus: the GPUs CUDA_VISIBLE_DEVICES grants when it is set, else every GPU
+    nvidia-smi lists; the CPU when that leaves none."""
     if values["cpu"]:
         values["nproc"] = values["nproc"] or 2
         return
     if values["gpus"] is None:
         count = physical_gpu_count()
-        if count == 0:
-            values["cpu"], values["nproc"] = True, values["nproc"] or 2
+        granted = granted_gpus(count) if count else []  # a CPU machine may carry it too
+        gpus = list(range(count)) if granted is None else granted
+        if gpus:
+            values["gpus"] = gpus
         else:
-            values["gpus"] = list(range(count))
+            values["cpu"], values["nproc"] = True, values["nproc"] or 2
         return
     check_gpu_indices(values["gpus"], cpu_alternative="--cpu")
 

@@ -23,6 +23,8 @@ from torch.nn.parallel import DistributedDataParallel, comm
 from ddpcli.config import TrainConfig
 from ddpcli.dist import DistContext
 
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # fp32: no autocast
+
 
 def balanced_split(batch: int, gpus: int, gpu0_batch: int) -> list[int]:
     """Samples per GPU for one batch: GPU 0 takes `gpu0_batch`, the others share the rest
@@ -66,11 +68,73 @@ def require_gpu0_batch(gpu0_batch: int | None) -> int:
     return gpu0_batch
 
 
-class BalancedDataParallel(nn.DataParallel):
-    """nn.DataParallel whose scatter gives GPU 0 `gpu0_batch` samples of each batch."""
+class PrecisionDataParallel(nn.DataParallel):
+    """nn.DataParallel whose replicas run as the run is configured. torch's parallel_apply
+    enables autocast in each replica's thread without a dtype, and a thread's dtype is its
+    own: the replicas would run fp16 under bf16 (with no GradScaler). Its replicate copies
+    the weights through a flat buffer, which returns them contiguous: the convolutions
+    would lose channels_last."""
 
-    def __init__(self, gpu0_batch: int, module: nn.Module, device_ids: list[int]) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        device_ids: list[int] | None,
+        autocast: tuple[str, torch.dtype] | None = None,
+        channels_last: bool = False,
+    ) -> None:
         super().__init__(module, device_ids=device_ids)
+        self.autocast = autocast
+        self.channels_last = channels_last
+
+    def replicate(self, module: nn.Module, device_ids: Sequence[int | torch.device]) -> Any:
+        replicas = super().replicate(module, device_ids)
+        if self.channels_last:
+            for replica in replicas:
+                keep_channels_last(replica)
+        return replicas
+
+    def parallel_apply(self, replicas: Sequence[nn.Module], inputs: Sequence[Any], kwargs: Any):
+        if self.autocast is not None:
+            replicas = [AutocastReplica(replica, *self.autocast) for replica in replicas]
+        return super().parallel_apply(replicas, inputs, kwargs)
+
+
+class AutocastReplica(nn.Module):
+    """A replica whose forward enters autocast with the run's dtype, on its own thread."""
+
+    def __init__(self, replica: nn.Module, device_type: str, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.replica, self.device_type, self.dtype = replica, device_type, dtype
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        with torch.autocast(self.device_type, dtype=self.dtype):
+            return self.replica(*inputs, **kwargs)
+
+
+def keep_channels_last(replica: nn.Module) -> None:
+    """The replica's 4-D weights back in channels_last (a differentiable copy, so gradients
+    still reach the module's own parameters)."""
+    for module in replica.modules():
+        copies = getattr(module, "_former_parameters", {})
+        for name, weight in list(copies.items()):
+            if weight.dim() == 4 and not weight.is_contiguous(memory_format=torch.channels_last):
+                weight = weight.contiguous(memory_format=torch.channels_last)
+                setattr(module, name, weight)
+                copies[name] = weight
+
+
+class BalancedDataParallel(PrecisionDataParallel):
+    """PrecisionDataParallel whose scatter gives GPU 0 `gpu0_batch` samples of each batch."""
+
+    def __init__(
+        self,
+        gpu0_batch: int,
+        module: nn.Module,
+        device_ids: list[int],
+        autocast: tuple[str, torch.dtype] | None = None,
+        channels_last: bool = False,
+    ) -> None:
+        super().__init__(module, device_ids, autocast, channels_last)
         self.gpu0_batch = gpu0_batch
 
     def scatter(
@@ -100,9 +164,16 @@ def wrap_model(model: nn.Module, cfg: TrainConfig, ctx: DistContext) -> nn.Modul
             bucket_cap_mb=cfg.bucket_cap_mb,
         )
     device_ids = list(range(torch.cuda.device_count()))
+    autocast = (
+        (ctx.device.type, AUTOCAST_DTYPES[cfg.precision])
+        if cfg.precision in AUTOCAST_DTYPES
+        else None
+    )
+    channels_last = ctx.device.type == "cuda"  # as build_parallel_model lays the model out
     if cfg.strategy == "dp":
-        return nn.DataParallel(model, device_ids=device_ids)
-    return BalancedDataParallel(require_gpu0_batch(cfg.gpu0_batch), model, device_ids)
+        return PrecisionDataParallel(model, device_ids, autocast, channels_last)
+    gpu0_batch = require_gpu0_batch(cfg.gpu0_batch)
+    return BalancedDataParallel(gpu0_batch, model, device_ids, autocast, channels_last)
 
 
 def unwrap(model: nn.Module) -> nn.Module:

@@ -38,7 +38,7 @@ from ddpcli.dist import DistContext, all_reduce_max, all_reduce_sum, barrier
 from ddpcli.errors import DdpcliError, runtime_error
 from ddpcli.models import build_model
 from ddpcli.steplog import StepLog
-from ddpcli.strategy import batch_split, model_devices, unwrap, wrap_model
+from ddpcli.strategy import AUTOCAST_DTYPES, batch_split, model_devices, unwrap, wrap_model
 from ddpcli.timing import synced_clock, synchronize
 
 TIMING_WARMUP_STEPS = 3  # the first steps pay for allocation and autotuning; not timed
@@ -97,10 +97,29 @@ def use_peak_lr(scheduler: torch.optim.lr_scheduler.LambdaLR, peak_lr: float) ->
 
 
 def autocast_context(cfg: TrainConfig, ctx: DistContext) -> AbstractContextManager[object]:
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision)
+    dtype = AUTOCAST_DTYPES.get(cfg.precision)
     if dtype is None:
         return contextlib.nullcontext()
     return torch.autocast(device_type=ctx.device.type, dtype=dtype)
+
+
+def configure_cuda_math(precision: str, device: torch.device) -> None:
+    """On CUDA: pick each convolution's algorithm once (the batch shapes are fixed: the last,
+    partial training batch is dropped), and let fp32 runs use the tensor cores (TF32: fp32
+    storage, a 10-bit mantissa inside matmuls and convolutions), as they would anywhere
+    else on an Ampere or later GPU; the header says so."""
+    if device.type != "cuda":
+        return
+    torch.backends.cudnn.benchmark = True
+    if precision == "fp32":
+        torch.set_float32_matmul_precision("high")  # torch's default keeps matmuls in IEEE fp32
+        torch.backends.cudnn.allow_tf32 = True
+
+
+def describe_precision(precision: str, device: torch.device) -> str:
+    if precision == "fp32" and device.type == "cuda":
+        return "fp32 (TF32 tensor cores in matmuls and convolutions)"
+    return precision
 
 
 # --- The loop ------------------------------------------------------------------------------
@@ -109,8 +128,7 @@ def autocast_context(cfg: TrainConfig, ctx: DistContext) -> AbstractContextManag
 class Trainer:
     def __init__(self, cfg: TrainConfig, ctx: DistContext, data: DataPipeline) -> None:
         self.cfg, self.ctx, self.data = cfg, ctx, data
-        if ctx.device.type == "cuda":
-            torch.backends.cudnn.benchmark = True  # fixed shapes: pick conv algorithms once
+        configure_cuda_math(cfg.precision, ctx.device)
         self.model = build_parallel_model(cfg, ctx, data.splits.num_classes)
         self.forward_model = torch.compile(self.model) if cfg.compile else self.model
         self.optimizer = build_optimizer(cfg, self.model)
@@ -244,7 +262,8 @@ class Trainer:
             ui.warn(note)
         ui.info(
             f"{cfg.arch} on {cfg.dataset} at {cfg.image_size} px · {self.data.describe_sizes()} · "
-            f"{self.steps_per_epoch} steps per epoch · precision {cfg.precision} · out {cfg.out}"
+            f"{self.steps_per_epoch} steps per epoch · "
+            f"precision {describe_precision(cfg.precision, self.ctx.device)} · out {cfg.out}"
         )
         ui.info(
             f"strategy {cfg.strategy} · data path {self.data.path_name} · "

@@ -12,7 +12,7 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch.distributed.elastic.multiprocessing.errors import get_error_handler, record
@@ -81,39 +81,49 @@ def run_worker(cfg: TrainConfig, env: LauncherEnv) -> dict[str, Any]:
         timeout_s=cfg.timeout,
     )
     try:
-        cfg = finalize_for_device(cfg, ctx)
-        out = cfg.resolved_out
-        device_resident = keep_data_on_device(cfg, ctx)
-        splits = load_splits(cfg, ctx, device_resident)
-        if ctx.is_main:  # a list an earlier run in this folder left would mislead
-            skipped_file = out / SKIPPED_IMAGES_FILE
-            skipped_file.unlink(missing_ok=True)
-            if splits.skipped:
-                skipped_file.write_text("\n".join(splits.skipped) + "\n")
-        pipeline = DataPipeline(splits, cfg, ctx, device_resident)
-        # An epoch shorter than --accumulate makes smaller steps: the rate follows them.
-        cfg = cfg.model_copy(
-            update={"peak_lr": cfg.peak_lr_at(ctx.world_size, pipeline.steps_per_epoch())}
-        )
-        if ctx.is_main:
-            out.mkdir(parents=True, exist_ok=True)
-            (out / "config.json").write_text(cfg.model_dump_json(indent=2) + "\n")
-        last = Trainer(cfg, ctx, pipeline).fit()
-        summary = {
-            **last,
-            "out": str(out),
-            "metrics": str(out / "metrics.jsonl"),
-            "config": str(out / "config.json"),
-            "last_checkpoint": str(out / "checkpoints" / "last.pt"),
-            "best_checkpoint": str(out / "checkpoints" / "best.pt"),
-            **skipped_summary(cfg, splits.skipped, out),
-        }
-        if ctx.is_main:
-            (out / SUMMARY_FILE).write_text(ui.json_text(summary, indent=2) + "\n")
-    finally:
-        shutdown()
+        summary = train_and_summarise(cfg, ctx)
+    except (KeyboardInterrupt, SystemExit):
+        shutdown()  # Ctrl-C reaches every rank: they all leave here together
+        raise
+    # No teardown after an error: destroy_process_group waits for the NCCL work in flight,
+    # maybe a collective the other ranks never join, until their watchdogs fire (--timeout).
+    # The caller reports and ends this process at once instead (exit_for_error).
+    shutdown()
     if ctx.is_main:  # only after a clean run: a failed one may still be debugged
         remove_init_file(cfg.init_method)
+    return summary
+
+
+def train_and_summarise(cfg: TrainConfig, ctx: DistContext) -> dict[str, Any]:
+    cfg = finalize_for_device(cfg, ctx)
+    out = cfg.resolved_out
+    device_resident = keep_data_on_device(cfg, ctx)
+    splits = load_splits(cfg, ctx, device_resident)
+    if ctx.is_main:  # a list an earlier run in this folder left would mislead
+        skipped_file = out / SKIPPED_IMAGES_FILE
+        skipped_file.unlink(missing_ok=True)
+        if splits.skipped:
+            skipped_file.write_text("\n".join(splits.skipped) + "\n")
+    pipeline = DataPipeline(splits, cfg, ctx, device_resident)
+    # An epoch shorter than --accumulate makes smaller steps: the rate follows them.
+    cfg = cfg.model_copy(
+        update={"peak_lr": cfg.peak_lr_at(ctx.world_size, pipeline.steps_per_epoch())}
+    )
+    if ctx.is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text(cfg.model_dump_json(indent=2) + "\n")
+    last = Trainer(cfg, ctx, pipeline).fit()
+    summary = {
+        **last,
+        "out": str(out),
+        "metrics": str(out / "metrics.jsonl"),
+        "config": str(out / "config.json"),
+        "last_checkpoint": str(out / "checkpoints" / "last.pt"),
+        "best_checkpoint": str(out / "checkpoints" / "best.pt"),
+        **skipped_summary(cfg, splits.skipped, out),
+    }
+    if ctx.is_main:
+        (out / SUMMARY_FILE).write_text(ui.json_text(summary, indent=2) + "\n")
     return summary
 
 
@@ -172,14 +182,20 @@ def main(argv: list[str]) -> None:
     try:
         run_worker(cfg, env)
         collect_then_freeze()
-    except DdpcliError as error:
-        prefix = "" if error.message.startswith("rank ") else f"rank {env.rank}: "
-        exit_with_error(prefix + error.message, error.exit_code)
     except Exception as error:
-        if debug_requested():
+        if debug_requested() and not isinstance(error, DdpcliError):
             raise  # @record prints the traceback and hands it to the agent
-        record_for_agent(error)
-        exit_with_error(f"rank {env.rank}: {type(error).__name__}: {first_line(error)}", 1)
+        exit_for_error(error, env.rank)
+
+
+def exit_for_error(error: Exception, rank: int) -> NoReturn:
+    """A failed rank's one line, then out at once: its process group is left as it is, so
+    no teardown waits on peers that will never answer."""
+    if isinstance(error, DdpcliError):
+        prefix = "" if error.message.startswith("rank ") else f"rank {rank}: "
+        exit_with_error(prefix + error.message, error.exit_code)
+    record_for_agent(error)
+    exit_with_error(f"rank {rank}: {type(error).__name__}: {first_line(error)}", 1)
 
 
 if __name__ == "__main__":

@@ -209,6 +209,7 @@ def test_backend_without_nccl_is_fine_on_the_cpu():
 def test_unset_cuda_visible_devices():
     row = checks.visible_devices_row(node())
     assert row.status == "ok" and row.detail.startswith("unset: a process sees every GPU")
+    assert row.detail.endswith("`ddpcli train` without --gpus uses them all")
 
 
 def test_empty_cuda_visible_devices_warns():
@@ -229,7 +230,8 @@ def test_cuda_visible_devices_renumbering_is_spelled_out():
     gpus = [Gpu(0, "H100", 81559, "GPU-aaa", 1), Gpu(1, "H100", 81559, "GPU-bbb", 0)]
     row = checks.visible_devices_row(node(cuda_visible_devices="1,0", gpus=gpus))
     assert row.status == "ok"
-    assert row.detail == "1,0 (GPU 0 is cuda:1, GPU 1 is cuda:0 inside a process)"
+    assert row.detail.startswith("1,0 (GPU 0 is cuda:1, GPU 1 is cuda:0 inside a process); ")
+    assert "`ddpcli train` uses only these GPUs (--gpus picks among them" in row.detail
 
 
 def test_gpu_rows_say_where_each_gpu_is_seen():

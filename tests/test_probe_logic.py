@@ -376,8 +376,59 @@ def test_stage_rows_when_every_rank_passed():
     assert rows["barrier latency"].detail == "p50 480 µs, max 1200 µs (slowest rank, 20 barriers)"
     assert rows["all_reduce bandwidth"].detail == "16 MiB in 3.0 ms: 10.00 GB/s bus bandwidth"
     assert rows["GPU peer-to-peer"].detail == (
-        "every pair of GPUs on each node (2 pair(s)) swapped data intact"
+        "every pair of GPUs on each node (2 pair(s)) swapped data intact; "
+        "transport: direct peer access (NVLink or PCIe) on every pair"
     )
+
+
+def test_gpu_pairs_without_peer_access_warn_that_nccl_goes_through_host_memory():
+    """Such a pair swaps its data intact too: only CUDA's peer-access answer tells."""
+    stages = [*GOOD[:-1], passed("p2p", node_pairs=1, host_memory=[[0, 1]], direct=[])]
+    outcomes = [outcome(0, NODE0, stages), outcome(1, NODE0, GOOD)]
+    row = {row.name: row for row in probe_rows.stage_rows(outcomes)}["GPU peer-to-peer"]
+    assert row.status == "warn"
+    assert "GPU pair(s) 0-1 on node 0 have no CUDA peer access: NCCL moves their data " in (
+        row.detail
+    )
+    assert "through host memory" in row.detail and "nvidia-smi topo -m" in row.fix
+
+
+def test_peer_access_is_asked_of_cuda_for_each_pair(monkeypatch):
+    import torch
+
+    from ddpcli.checkenv import probe_worker
+    from ddpcli.dist import DistContext
+
+    asked = []
+
+    def can_access(device: int, peer: int) -> bool:
+        asked.append((device, peer))
+        return peer != 2  # GPU 2 sits behind the other CPU socket
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "can_device_access_peer", can_access)
+    # Global ranks 4, 5, 6, 7 on this node; rank 5 drives cuda:1.
+    ctx = DistContext(5, 1, 8, 4, 1, torch.device("cuda", 1), "nccl")
+    access = probe_worker.peer_access(ctx, [4, 5, 6, 7])
+    assert asked == [(1, 2)]
+    assert access == {"direct": [], "host_memory": [[1, 2]], "unknown": [[1, 3]]}
+
+
+def test_bandwidth_is_timed_after_a_barrier_over_at_least_20_operations(monkeypatch):
+    import torch
+
+    from ddpcli.checkenv import probe_worker
+    from ddpcli.dist import DistContext
+
+    calls: list[str] = []
+    monkeypatch.setattr(probe_worker.dist, "all_reduce", lambda tensor: calls.append("op"))
+    monkeypatch.setattr(probe_worker.dist, "barrier", lambda: calls.append("barrier"))
+    monkeypatch.setattr(probe_worker, "synced_clock", lambda device: calls.append("clock") or 0.0)
+    ctx = DistContext(0, 0, 2, 2, 0, torch.device("cpu"), "gloo")
+    probe_worker.measure_bandwidth(ctx, 1 << 10)
+    assert calls[:3] == ["op", "barrier", "clock"]  # warm-up, then every rank lined up
+    assert calls[3:-1] == ["op"] * probe_worker.BANDWIDTH_ITERATIONS and calls[-1] == "clock"
+    assert probe_worker.BANDWIDTH_ITERATIONS >= 20
 
 
 def test_a_failed_stage_groups_ranks_by_reason_with_its_fix():

@@ -132,7 +132,12 @@ def visible_devices_row(facts: NodeFacts) -> Row:
     value = facts.cuda_visible_devices
     name = "CUDA_VISIBLE_DEVICES"
     if value is None:
-        return ok(name, "unset: a process sees every GPU, numbered as nvidia-smi numbers them")
+        return ok(
+            name,
+            "unset: a process sees every GPU, numbered as nvidia-smi numbers them (in "
+            "CUDA_DEVICE_ORDER=PCI_BUS_ID, which ddpcli sets for its workers); "
+            "`ddpcli train` without --gpus uses them all",
+        )
     if not value.strip():
         return warn(
             name,
@@ -153,7 +158,11 @@ def visible_devices_row(facts: NodeFacts) -> Row:
         if gpu.cuda_index is not None and gpu.index is not None
     ]
     renumbered = f" ({', '.join(mapping)} inside a process)" if mapping else ""
-    return ok(name, f"{value}{renumbered}")
+    return ok(
+        name,
+        f"{value}{renumbered}; `ddpcli train` uses only these GPUs (--gpus picks among them, "
+        "by nvidia-smi index) in PCI bus order",
+    )
 
 
 def gpu_row(gpu: Gpu, facts: NodeFacts) -> Row:

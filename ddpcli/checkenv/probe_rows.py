@@ -8,7 +8,7 @@ import re
 
 from ddpcli.checkenv.facts import PROBE_TAG_VARIABLE
 from ddpcli.checkenv.probe_plan import BARRIER_ITERATIONS, STAGES
-from ddpcli.checkenv.report import FAIL, WARN, Row, fail, ok
+from ddpcli.checkenv.report import FAIL, WARN, Row, fail, ok, warn
 from ddpcli.rollcall import describe_values, disagreements, group_labels
 
 STAGE_TITLES = {
@@ -36,6 +36,12 @@ STAGE_FIXES = {
     "and turn off PCIe ACS / the IOMMU for GPU peer access",
 }
 
+HOST_MEMORY_FIX = (
+    "`nvidia-smi topo -m` shows each pair's path (pairs across CPU sockets have no peer "
+    "path); turn off PCIe ACS / the IOMMU for GPU peer access, or place a job's ranks on GPUs "
+    "that share a switch or NVLink"
+)
+
 
 def node_label(node: dict) -> str:
     address = f", {node['address']}" if node.get("address") else ""
@@ -58,6 +64,8 @@ def stage_rows(outcomes: list[dict]) -> list[Row]:
         if failed:
             fix = failure_hint(failed) + STAGE_FIXES.get(stage, "")
             rows.append(fail(title, describe_failures(failed), fix))
+        elif stage == "p2p":
+            rows.append(peer_to_peer_row(title, results))
         elif stage != "start":
             rows.append(ok(title, summarize(stage, results)))
     return rows
@@ -120,11 +128,42 @@ def summarize(stage: str, results: list[tuple[dict, dict]]) -> str:
         return f"p50 {p50:.0f} µs, max {worst:.0f} µs (slowest rank, {BARRIER_ITERATIONS} barriers)"
     if stage == "bandwidth":
         return results[0][1]["detail"]
-    if stage == "p2p":
-        per_node = {o["node_rank"]: (r.get("data") or {}).get("node_pairs", 0) for o, r in results}
-        pairs = sum(per_node.values())
-        return f"every pair of GPUs on each node ({pairs} pair(s)) swapped data intact"
     return f"{ranks} rank(s) passed"
+
+
+def peer_to_peer_row(title: str, results: list[tuple[dict, dict]]) -> Row:
+    """Every pair swapped data intact; the transport says how: a pair without CUDA peer
+    access passes too, through host memory, which is what this row warns about."""
+    per_node = {o["node_rank"]: (r.get("data") or {}).get("node_pairs", 0) for o, r in results}
+    intact = (
+        f"every pair of GPUs on each node ({sum(per_node.values())} pair(s)) swapped data intact"
+    )
+    slow = pairs_named(results, "host_memory")
+    unknown = pairs_named(results, "unknown")
+    if slow:
+        return warn(
+            title,
+            f"{intact}, but {slow} have no CUDA peer access: NCCL moves their data through host "
+            "memory, at a fraction of NVLink's or PCIe's peer bandwidth",
+            HOST_MEMORY_FIX,
+        )
+    transport = "direct peer access (NVLink or PCIe) on every pair"
+    if unknown:
+        transport = f"peer access unknown for {unknown} (not visible to one process)"
+    return ok(title, f"{intact}; transport: {transport}")
+
+
+def pairs_named(results: list[tuple[dict, dict]], kind: str) -> str:
+    """'GPUs 0-1, 2-3 on node 0' for the pairs the ranks reported under `kind`."""
+    named = []
+    for outcome, record in results:
+        for first, second in (record.get("data") or {}).get(kind, []):
+            named.append((outcome["node_rank"], f"{first}-{second}"))
+    if not named:
+        return ""
+    nodes = sorted({node for node, _ in named})
+    by_node = [f"{', '.join(p for n, p in named if n == node)} on node {node}" for node in nodes]
+    return "GPU pair(s) " + "; ".join(by_node)
 
 
 def rank_rows(outcomes: list[dict]) -> list[Row]:

@@ -226,7 +226,9 @@ def measure_bandwidth(ctx: DistContext, message_bytes: int) -> StageResult:
 
 
 def check_peer_to_peer(ctx: DistContext, local_ranks: list[int]) -> StageResult:
-    """Every pair of this node's GPUs swaps a message directly (NCCL send/recv)."""
+    """Every pair of this node's GPUs swaps a message (NCCL send/recv), and says whether
+    CUDA gives it direct peer access: without it NCCL passes, silently, through host
+    memory, at a fraction of NVLink's or PCIe's peer bandwidth."""
     pairs = 0
     for first, second in itertools.combinations(local_ranks, 2):
         if ctx.rank not in (first, second):
@@ -246,7 +248,27 @@ def check_peer_to_peer(ctx: DistContext, local_ranks: list[int]) -> StageResult:
         pairs += 1
     dist.barrier()
     node_pairs = len(local_ranks) * (len(local_ranks) - 1) // 2
-    return StageResult(f"{pairs} pair(s) with this rank", {"node_pairs": node_pairs})
+    return StageResult(
+        f"{pairs} pair(s) with this rank",
+        {"node_pairs": node_pairs, **peer_access(ctx, local_ranks)},
+    )
+
+
+def peer_access(ctx: DistContext, local_ranks: list[int]) -> dict[str, list[list[int]]]:
+    """The pairs in which this rank is the lower local rank, sorted by whether CUDA can map
+    the other GPU's memory directly (rank r drives cuda:r of the GPUs its node's ranks see);
+    `unknown`: the other GPU is not visible to this process."""
+    own = local_ranks.index(ctx.rank)
+    access: dict[str, list[list[int]]] = {"direct": [], "host_memory": [], "unknown": []}
+    for other in range(own + 1, len(local_ranks)):
+        pair = [own, other]
+        if other >= torch.cuda.device_count():
+            access["unknown"].append(pair)
+        elif torch.cuda.can_device_access_peer(ctx.device.index, other):
+            access["direct"].append(pair)
+        else:
+            access["host_memory"].append(pair)
+    return access
 
 
 def main(argv: list[str]) -> None:

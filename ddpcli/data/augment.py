@@ -219,17 +219,31 @@ def resample_boxes(
     (N, 3, S, S) hold each whole image resampled to a square; the boxes, drawn in the decoded
     (heights, widths) pixels, are mapped to relative coordinates, so the crop covers the same
     region as the loader's. Returns float (N, 3, size, size) on the 0-255 scale."""
+    maps = box_sampling_maps(boxes, heights, widths).to(images.device)
+    return resample_with_maps(images, maps, size)
+
+
+def box_sampling_maps(
+    boxes: CropBoxes, heights: torch.Tensor, widths: torch.Tensor
+) -> torch.Tensor:
+    """(N, 4) float32 on the CPU: each box as grid_sample's [x slope, x offset, y slope,
+    y offset]. Drawn once per epoch, so that the batches need no copy from the host."""
     image_h, image_w = heights.cpu().double(), widths.cpu().double()
     top, bottom = boxes.top / image_h, (boxes.top + boxes.height) / image_h
     left, right = boxes.left / image_w, (boxes.left + boxes.width) / image_w
     mirror = torch.where(boxes.flip, -1.0, 1.0).double()
     # grid_sample's coordinates run over [-1, 1] edge to edge (align_corners=False): output
     # pixel centre u maps to (right - left) * u + (left + right - 1) in the input; a mirror
-    # negates the slope. The map is separable, so the grid is two outer sums, where
-    # affine_grid's batched matrix product takes many times longer on the CPU.
-    slopes_offsets = torch.stack([(right - left) * mirror, left + right - 1, bottom - top,
-                                  top + bottom - 1], dim=1)  # fmt: skip
-    x_slope, x_offset, y_slope, y_offset = slopes_offsets.to(images.device, torch.float32).T
+    # negates the slope.
+    return torch.stack([(right - left) * mirror, left + right - 1, bottom - top,
+                        top + bottom - 1], dim=1).float()  # fmt: skip
+
+
+def resample_with_maps(images: torch.Tensor, maps: torch.Tensor, size: int) -> torch.Tensor:
+    """grid_sample of each image by its row of `maps` (on the images' device). The map is
+    separable, so the grid is two outer sums, where affine_grid's batched matrix product
+    takes many times longer on the CPU."""
+    x_slope, x_offset, y_slope, y_offset = maps.T
     centres = (torch.arange(size, device=images.device, dtype=torch.float32) * 2 + 1) / size - 1
     cols = x_slope.view(-1, 1, 1) * centres.view(1, 1, size) + x_offset.view(-1, 1, 1)
     rows = y_slope.view(-1, 1, 1) * centres.view(1, size, 1) + y_offset.view(-1, 1, 1)

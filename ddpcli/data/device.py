@@ -15,8 +15,9 @@ from ddpcli.data.augment import (
     CROP_PADDING,
     Augment,
     augmentation_draws,
+    box_sampling_maps,
     crop_padded,
-    resample_boxes,
+    resample_with_maps,
     resized_crop_boxes,
 )
 from ddpcli.data.sets import ImageSet
@@ -45,13 +46,9 @@ class DeviceResidentBatches:
     ):
         """`image_size`: the side of the batches, where the set holds its images at another
         (image folders kept whole for `rrc`); by default the set's own."""
-        self.images = images.images.to(device)
+        self.images = images.images.to(device)  # no copy when the pipeline already moved them
         self.labels = images.labels.to(device)
-        # Each image's size as decoded, on the CPU, where crop boxes are drawn.
-        stored = torch.tensor(images.images.shape[-2:])
-        self.sizes = stored.expand(len(images), 2) if images.sizes is None else images.sizes.cpu()
         self.image_size = image_size or images.images.shape[-1]
-        self.indices = torch.tensor(indices, dtype=torch.long)
         self.batch_size = batch_size
         self.device = device
         self.mean = torch.tensor(mean, device=device).view(1, 3, 1, 1)
@@ -60,6 +57,21 @@ class DeviceResidentBatches:
         self.seed, self.epoch = seed, epoch
         self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
         self.drop_last = drop_last
+        # Everything a batch needs from the host crosses once per epoch, here. A per-batch
+        # copy of pageable memory waits for the whole device stream, so the CPU could never
+        # queue the next step while the device runs this one.
+        cpu_indices = torch.tensor(indices, dtype=torch.long)
+        self.indices = cpu_indices.to(device)
+        self.crop_maps = self._crop_maps(images, cpu_indices) if augment == "rrc" else None
+
+    def _crop_maps(self, images: ImageSet, indices: torch.Tensor) -> torch.Tensor:
+        """Every sample's random-resized-crop box for the epoch, drawn on the CPU from its
+        decoded size, as grid_sample maps on the device."""
+        stored = torch.tensor(images.images.shape[-2:])
+        sizes = stored.expand(len(images), 2) if images.sizes is None else images.sizes.cpu()
+        heights, widths = sizes[indices, 0], sizes[indices, 1]
+        boxes = resized_crop_boxes(self.seed, self.epoch, indices, heights, widths)
+        return box_sampling_maps(boxes, heights, widths).to(self.device)
 
     def __len__(self) -> int:
         if self.drop_last:
@@ -68,23 +80,15 @@ class DeviceResidentBatches:
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         for start in range(0, len(self) * self.batch_size, self.batch_size):
-            rows = self.indices[start : start + self.batch_size]
-            batch = rows.to(self.device)
+            batch = self.indices[start : start + self.batch_size]
             images = self.images[batch]
-            if self.augment == "rrc":
-                images = self._resized_crop(images, rows)
+            if self.crop_maps is not None:
+                maps = self.crop_maps[start : start + self.batch_size]
+                images = resample_with_maps(images, maps, self.image_size)
             elif self.augment == "crop-flip":
                 images = self._crop_and_flip(images, batch)
             images = (images.float().div_(255) - self.mean) / self.std
             yield images.contiguous(memory_format=self.memory_format), self.labels[batch]
-
-    def _resized_crop(self, images: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """Each image's box, drawn on the CPU from its decoded size, resampled on the device
-        in one grid_sample for the whole batch."""
-        sizes = self.sizes[rows]
-        heights, widths = sizes[:, 0], sizes[:, 1]
-        boxes = resized_crop_boxes(self.seed, self.epoch, rows, heights, widths)
-        return resample_boxes(images, boxes, heights, widths, self.image_size)
 
     def _crop_and_flip(self, images: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         count, _, height, width = images.shape

@@ -83,6 +83,12 @@ class TracedBatches:
                 yield batch
 
 
+def on_device(image_set: ImageSet, device: torch.device) -> ImageSet:
+    """The set's images and labels on `device`; its decoded sizes stay where crops are drawn."""
+    images, labels = image_set.images.to(device), image_set.labels.to(device)
+    return dataclasses.replace(image_set, images=images, labels=labels)
+
+
 class DataPipeline:
     """Train and validation batches for this rank, whichever path they come from."""
 
@@ -115,10 +121,11 @@ class DataPipeline:
         self._check_one_batch()
 
     def _hold_on_device(self, splits: MemorySplits) -> None:
-        # The uint8 set lives where it is augmented; batches never cross PCIe.
-        device = self.ctx.device
-        self.train_set = dataclasses.replace(splits.train, images=splits.train.images.to(device))
-        self.val_set = dataclasses.replace(splits.val, images=splits.val.images.to(device))
+        # The uint8 set lives where it is augmented; batches never cross PCIe. The splits
+        # then hold the device copies only: a host copy kept beside them would hold the
+        # whole set in host memory for nothing, per rank.
+        splits.train = self.train_set = on_device(splits.train, self.ctx.device)
+        splits.val = self.val_set = on_device(splits.val, self.ctx.device)
         self.train_size, self.val_size = len(splits.train), len(splits.val)
 
     def _stream_folders(self, splits: FolderSplits) -> None:

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from ddpcli import ui
 from ddpcli.config import TrainConfig
 from ddpcli.data.augment import training_augment
-from ddpcli.dist import DistContext, all_gather_object, zero_first
+from ddpcli.dist import DistContext, all_gather_object, rank_zero_prepares
 from ddpcli.errors import USAGE, DdpcliError, first_line, usage_error
 from ddpcli.files import atomic_save
 
@@ -149,7 +149,7 @@ def stl10_splits(data_dir: Path, download: bool, ctx: DistContext) -> MemorySpli
                 f"STL-10 not found in {stl10_dir(data_dir)}; pass --download to fetch it "
                 "(2.6 GB) or point --data-dir at the folder that holds stl10_binary/"
             )
-        with zero_first(ctx):
+        with rank_zero_prepares(ctx, f"download STL-10 (2.6 GB) into {data_dir}"):
             if ctx.is_main and not stl10_present(data_dir):
                 download_stl10(data_dir)
     folder = stl10_dir(data_dir)
@@ -328,7 +328,7 @@ def imagefolder_splits(
         check_split_sizes(data_dir, len(train), len(val), skipped)
         return FolderSplits(train, val, len(classes), classes, skipped)
     cache = folder_cache_path(data_dir, image_size, cache_dir, whole_train)
-    with zero_first(ctx):
+    with rank_zero_prepares(ctx, f"decode {data_dir} once into {cache}"):
         if ctx.is_main and not cache.exists():
             splits = {
                 split: decode_folder(data_dir / split, classes, image_size, skip_bad_images, whole)
