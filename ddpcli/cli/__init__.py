@@ -11,10 +11,19 @@ import os
 import sys
 from collections.abc import MutableMapping
 
-from ddpcli.cli import barrier, checkenv, checkpoint, train
+from ddpcli.cli import barrier, checkenv, checkpoint, launch, train
 from ddpcli.cli.app import app
 
-__all__ = ["adopt_legacy_local_rank", "app", "barrier", "checkenv", "checkpoint", "main", "train"]
+__all__ = [
+    "adopt_legacy_local_rank",
+    "app",
+    "barrier",
+    "checkenv",
+    "checkpoint",
+    "launch",
+    "main",
+    "train",
+]
 
 LEGACY_LOCAL_RANK = ("--local-rank", "--local_rank")
 
