@@ -147,6 +147,8 @@ def launch_config(job: WorkerJob, scratch: str) -> LaunchConfig:
         start_method="spawn",
         logs_specs=logs,
         log_line_prefix_template=prefix,
+        # SIGUSR1 too (SLURM's `--signal=USR1@90`): else it would end the agent, not reach them.
+        signals_to_handle=",".join(AGENT_SIGNALS),
         # No shutdown_timeout: with a short one (seen on torch 2.14) restarted
         # Gloo workers could not connect to each other again.
     )
@@ -179,8 +181,6 @@ def run_workers(job: WorkerJob, debug: bool = False) -> None:
         logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     os.environ.update(job.env)  # inherited by the workers, before any of them starts CUDA
     os.environ["DDPCLI_AGENT_PID"] = str(os.getpid())  # workers die with us (process.py)
-    # SIGUSR1 too (SLURM's `--signal=USR1@90`): else it would end the agent, not reach them.
-    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = ",".join(AGENT_SIGNALS)
     store = roll_call(job) if job.nnodes > 1 else None  # noqa: F841 - keeps the server alive
     try:
         with tempfile.TemporaryDirectory(prefix="ddpcli-agent-") as scratch:

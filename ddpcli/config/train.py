@@ -140,6 +140,8 @@ class TrainConfig(BaseModel):
     keep_last: int = Field(3, ge=0)
     log_dir: Path | None = None
     log_every: int = Field(10, ge=1, description="steps between progress lines")
+    # The signal that saves a checkpoint at the next check (every --log-every steps) and stops
+    preempt_signal: Literal["TERM", "USR1"] = "TERM"
     # debugging: each rank appends the sample indices of every training batch to PATH.rankN
     trace_samples: Path | None = None
     # Resolved, never given: --lr scaled to the global batch of the world that really runs
