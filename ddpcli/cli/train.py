@@ -275,9 +275,10 @@ def train(
         try:
             summary = launch_train(cfg, debug=_state["debug"])
         except KeyboardInterrupt as stop:  # under torchrun this process was the rank itself
-            summary = getattr(stop, "record", None)  # ddpcli.stopping.Interrupted's
-            if summary is None:
+            record = getattr(stop, "record", None)  # ddpcli.stopping.Interrupted's
+            if record is None:
                 raise
+            summary = record
         if summary.get("stopped"):
             raise stopped_early(summary)
         report_training(cfg, summary, json_output)
