@@ -4,6 +4,7 @@ import os
 
 USAGE = 2  # bad flag value, unreadable recipe, missing data, unknown GPU or interface
 RUNTIME = 1  # a rank died, a timeout, a collective failed
+INTERRUPTED = 130  # Ctrl-C, as a shell reports a command SIGINT ended (128 + 2)
 
 
 class DdpcliError(Exception):

@@ -22,6 +22,8 @@ from ddpcli import ui
 from ddpcli.config import TrainConfig
 from ddpcli.environments import LauncherEnv, read_launcher_env
 from ddpcli.errors import (
+    INTERRUPTED,
+    RUNTIME,
     USAGE,
     DdpcliError,
     debug_requested,
@@ -148,6 +150,8 @@ class WorkerJob:
     log_dir: str | None = None
     # What every node must agree on ({flag: value as text}), compared at the roll call.
     settings: dict[str, str] = field(default_factory=dict)
+    # `ddpcli train`'s --timeout also bounds every collective; a user's script sets its own.
+    timeout_bounds_collectives: bool = True
 
     @property
     def agent_port(self) -> int:
@@ -192,28 +196,50 @@ def launch_config(job: WorkerJob, scratch: str) -> LaunchConfig:
         start_method="spawn",
         logs_specs=logs,
         log_line_prefix_template=prefix,
+        # SIGUSR1 too (SLURM's `--signal=USR1@90`): else it would end the agent, not reach them.
+        signals_to_handle=",".join(AGENT_SIGNALS),
         # No shutdown_timeout: with a short one (seen on torch 2.14) restarted
         # Gloo workers could not connect to each other again.
     )
 
 
+class JobStopped(DdpcliError):
+    """The launcher got a signal (Ctrl-C, a scheduler's SIGTERM or SIGUSR1): the agent passed
+    it on to every worker, gave them its shutdown grace to end, and killed what was left."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        name = signal.Signals(signum).name
+        self.signal_words = "interrupted (Ctrl-C)" if signum == signal.SIGINT else f"got {name}"
+        super().__init__(self.signal_words, INTERRUPTED if signum == signal.SIGINT else RUNTIME)
+
+
+# The agent passes these on to its workers before it stops them; the rest end it at once.
+AGENT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1")
+
+
 def run_workers(job: WorkerJob, debug: bool = False) -> None:
     """Start `job` under torch.distributed.elastic and wait; a failed rank becomes a
-    DdpcliError naming it (exit 2 if it failed on bad input, 1 otherwise)."""
+    DdpcliError naming it (exit 2 if it failed on bad input, 1 otherwise), a signal to the
+    launcher a JobStopped once every worker has ended."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
     if not debug:
         logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     os.environ.update(job.env)  # inherited by the workers, before any of them starts CUDA
-    os.environ["DDPCLI_AGENT_PID"] = str(os.getpid())  # workers die with us (worker.py)
+    os.environ["DDPCLI_AGENT_PID"] = str(os.getpid())  # workers die with us (process.py)
     store = roll_call(job) if job.nnodes > 1 else None  # noqa: F841 - keeps the server alive
     try:
         with tempfile.TemporaryDirectory(prefix="ddpcli-agent-") as scratch:
             config = launch_config(job, scratch)
             elastic_launch(config, sys.executable)("-m", job.module, *job.args)
     except ChildFailedError as failure:
-        raise describe_failure(failure, job.log_dir, job.timeout_s) from None
+        collective_timeout = job.timeout_s if job.timeout_bounds_collectives else None
+        raise describe_failure(failure, job.log_dir, collective_timeout) from None
+    except SignalException as received:
+        raise JobStopped(received.sigval) from None
     except Exception as error:  # rendezvous errors: the world never formed
         name = type(error).__name__
         if "Rendezvous" in name or "Timeout" in name:
@@ -377,12 +403,34 @@ def _launch_elastic(cfg: TrainConfig, debug: bool) -> dict[str, Any]:
             log_dir=str(cfg.log_dir) if cfg.log_dir else None,
             settings=settings_every_node_shares(cfg),
         )
-        run_workers(job, debug)
+        try:
+            run_workers(job, debug)
+        except JobStopped as stopped:
+            # The workers passed on the signal and ended: a Ctrl-C or a preemption inside
+            # the loop left rank 0's word on where the run stopped.
+            stop = read_stop_record(summary_file) if cfg.node_rank == 0 else None
+            if stop is None:
+                raise DdpcliError(
+                    f"{stopped.signal_words}: every worker of this node stopped, none inside "
+                    f"the training loop; --out {out} --resume auto continues from its last "
+                    "checkpoint, if any",
+                    stopped.exit_code,
+                ) from None
+            return stop
     if job.log_dir:
         ui.info(f"per-rank logs: {newest_run_log_dir(job.log_dir)}/attempt_N/<local rank>/")
     if cfg.node_rank == 0 and summary_file.exists():
         return json.loads(summary_file.read_text())
     return {"out": str(out), "node_rank": cfg.node_rank}
+
+
+def read_stop_record(summary_file: Path) -> dict[str, Any] | None:
+    """Rank 0's summary when the run stopped early (Ctrl-C, a preemption), else None."""
+    try:
+        summary = json.loads(summary_file.read_text())
+    except (OSError, ValueError):
+        return None
+    return summary if isinstance(summary, dict) and summary.get("stopped") else None
 
 
 def train_environment(cfg: TrainConfig) -> dict[str, str]:
@@ -394,11 +442,12 @@ def describe_failure(
     failure: ChildFailedError, log_dir: str | None = None, timeout_s: float | None = None
 ) -> DdpcliError:
     """Name the first rank that failed, how it ended, and the last lines it printed."""
-    rank, first = first_cause(failure)
+    rank, first = unresponsive_rank(failure) or first_cause(failure)
     others = sorted(r for r in failure.failures if r != rank)
     if stopped_responding(first, failure):
         lines = [
-            f"rank {rank} on {socket.gethostname()} {unresponsive_in_words(others, timeout_s)}"
+            f"rank {rank} on {socket.gethostname()} "
+            f"{unresponsive_in_words(others, first.exitcode, timeout_s)}"
         ]
     else:
         consequence = knock_on_effect(first)
@@ -424,24 +473,40 @@ def rank_list(ranks: list[int]) -> str:
 
 
 def stopped_responding(first: ProcessFailure, failure: ChildFailedError) -> bool:
-    """Killed (SIGKILL) no earlier than the others gave up waiting for it at a collective:
-    most likely the agent killing a rank that could not act on its SIGTERM (stopped, hung)
-    rather than the kernel out of memory. The two cannot be told apart for sure, so the
-    words say what was seen."""
-    if first.exitcode != -signal.SIGKILL:
+    """Killed (SIGTERM, or SIGKILL when it could not act on that) no earlier than the others
+    gave up waiting for it at a collective: most likely the agent stopping a rank that was
+    hung or stopped, rather than the kernel out of memory. The two cannot be told apart for
+    sure, so the words say what was seen."""
+    if first.exitcode not in (-signal.SIGKILL, -signal.SIGTERM) or timed_out(first):
         return False
     others = [other for other in failure.failures.values() if other is not first]
     waited = [other for other in others if timed_out(other)]
     return bool(waited) and first.timestamp >= min(other.timestamp for other in waited)
 
 
-def unresponsive_in_words(others: list[int], timeout_s: float | None) -> str:
+def unresponsive_rank(failure: ChildFailedError) -> tuple[int, ProcessFailure] | None:
+    """The lowest rank the others gave up waiting for, if any: the cause, though the ranks
+    that timed out ended first."""
+    for rank, process in sorted(failure.failures.items()):
+        if stopped_responding(process, failure):
+            return rank, process
+    return None
+
+
+def unresponsive_in_words(others: list[int], exitcode: int, timeout_s: float | None) -> str:
     waited = f" for --timeout ({timeout_s:g} s)" if timeout_s else ""
-    return (
-        f"stopped responding: {rank_list(others)} waited for it{waited} at a collective and "
-        "gave up; it was then killed (SIGKILL) because it did not stop when asked, so it "
-        "was most likely hung or stopped (SIGSTOP, a debugger, a stuck I/O or device call)"
-    )
+    if exitcode == -signal.SIGTERM:
+        end = (
+            "it was then stopped (SIGTERM); the stack it printed then shows where it was "
+            "(hung in a call, or never reaching the collective)"
+        )
+    else:
+        end = (
+            "it was then killed (SIGKILL) because it did not stop when asked, so it was most "
+            "likely hung or stopped (SIGSTOP, a debugger, a stuck I/O or device call)"
+        )
+    gave_up = f"{rank_list(others)} waited for it{waited} at a collective and gave up"
+    return f"stopped responding: {gave_up}; {end}"
 
 
 # What a rank prints when another one died or hung: its failure is a consequence.

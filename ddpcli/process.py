@@ -60,3 +60,18 @@ def exit_with_error(message: str, exit_code: int) -> NoReturn:
     ui.error(message)
     sys.stderr.flush()
     os._exit(exit_code)
+
+
+def die_with_agent() -> None:
+    """The elastic agent starts each worker in its own session, so when the agent itself is
+    killed (SIGKILL, the OOM killer, a scheduler) nothing stops its workers, and they train
+    on as orphans. Ask the kernel to kill this worker when its parent dies."""
+    agent = os.environ.get("DDPCLI_AGENT_PID")
+    if not agent or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if os.getppid() != int(agent):  # the agent died before the line above
+        os._exit(1)

@@ -38,6 +38,7 @@ from ddpcli.dist import DistContext, all_reduce_max, all_reduce_sum, barrier
 from ddpcli.errors import DdpcliError, runtime_error
 from ddpcli.models import build_model
 from ddpcli.steplog import StepLog
+from ddpcli.stopping import Interrupted, Preemption, stop_record
 from ddpcli.strategy import AUTOCAST_DTYPES, batch_split, model_devices, unwrap, wrap_model
 from ddpcli.timing import synced_clock, synchronize
 
@@ -154,6 +155,7 @@ class Trainer:
         self.saved_step: int | None = None  # the step of the newest checkpoint in --out
         self.finite_step = 0  # the last step at which the loss was checked and finite
         self.steplog = StepLog(self.out, ctx.is_main, tensorboard=cfg.tensorboard)
+        self.preemption = Preemption(cfg.preempt_signal, every_steps=cfg.log_every)
 
     # --- checkpoints
     def parts(self) -> TrainingParts:
@@ -197,14 +199,31 @@ class Trainer:
         self.steplog.start(self.state.step)
         self.announce()
         progress = ui.TrainProgress(self.ctx.is_main, self.cfg.epochs, self.data.steps_per_epoch())
-        with progress, self.steplog:
-            while self.state.epoch < self.cfg.epochs and not self.reached_max_steps():
-                last = self.run_epoch(progress)
-                if self.state.batch_in_epoch < self.micro_total:
-                    self.stop_inside_epoch(last)
-                else:
-                    self.finish_epoch(last)
+        try:
+            with progress, self.steplog, self.preemption:
+                while self.work_goes_on():
+                    last = self.run_epoch(progress)
+                    if self.state.batch_in_epoch < self.micro_total:
+                        self.stop_inside_epoch(last)
+                    else:
+                        self.finish_epoch(last)
+        except KeyboardInterrupt:  # Ctrl-C: rank 0's launcher says where, once
+            raise Interrupted(self.stop_record("interrupted")) from None
+        if self.preemption.agreed and self.state.epoch < self.cfg.epochs:
+            return {**last, **self.stop_record("preempted")}
         return last
+
+    def work_goes_on(self) -> bool:
+        state = self.state
+        if state.epoch >= self.cfg.epochs or self.reached_max_steps():
+            return False
+        return not self.preemption.stop_now(state.step, self.ctx, boundary=True)
+
+    def stop_record(self, reason: str) -> dict[str, Any]:
+        state = self.state
+        return stop_record(
+            reason, state.epoch + 1, state.step, self.saved_step, self.steps_per_epoch, self.out
+        )
 
     def work_left(self) -> bool:
         """False, said on rank 0, when a resume finds the work done: not a silent exit 0,
@@ -337,7 +356,7 @@ class Trainer:
                 if self.first_step_pending:  # one device sync per run, for "time to first step"
                     first_step_at, self.first_step_pending = synced_time(ctx.device), False
                 self.after_optimizer_step(sums, progress, timer, last_micro)
-                if self.reached_max_steps():
+                if self.reached_max_steps() or self.preemption.stop_now(state.step, ctx):
                     break
         totals = self.reduce_sums(sums)
         if state.batch_in_epoch < micro_total:  # stopped inside: what a resume adds to
@@ -521,9 +540,9 @@ class Trainer:
         barrier(self.ctx)
 
     def stop_inside_epoch(self, metrics: dict[str, Any]) -> None:
-        """--max-steps stopped the run inside an epoch. Its checkpoint holds the epoch, the
-        batches done and the partial sums (as a --save-every-steps one does), so a resume
-        finishes the epoch exactly; the metrics of the part trained are marked partial and
+        """--max-steps (or a preemption) stopped the run inside an epoch. Its checkpoint holds
+        the epoch, the batches done and the partial sums (as a --save-every-steps one does), so
+        a resume finishes the epoch exactly; the metrics of the part trained are marked partial and
         stay out of the history, so the resume's rewrite of metrics.jsonl replaces them."""
         self.check_weights()
         state = self.state
@@ -533,12 +552,14 @@ class Trainer:
         if self.ctx.is_main:
             with open(self.out / "metrics.jsonl", "a") as handle:
                 handle.write(ui.json_text(metrics) + "\n")
+            preempted = self.preemption.agreed
+            how = self.preemption.signal_name if preempted else f"--max-steps {self.cfg.max_steps}"
             ui.info(
-                f"epoch {metrics['epoch']}/{self.cfg.epochs}, stopped by --max-steps "
-                f"{self.cfg.max_steps} after batch {state.batch_in_epoch} of {self.micro_total} · "
-                f"{ui.format_metrics(metrics)}; --out {self.out} --resume auto with --max-steps "
-                "raised or dropped finishes it"
-            )
+                f"epoch {metrics['epoch']}/{self.cfg.epochs}, stopped by {how} after batch "
+                f"{state.batch_in_epoch} of {self.micro_total} · {ui.format_metrics(metrics)}"
+                + ("" if preempted else f"; --out {self.out} --resume auto with --max-steps "
+                   "raised or dropped finishes it")
+            )  # fmt: skip
         self.save_checkpoint(f"step-{state.step:08d}.pt", is_best=is_best)
         state.partial_sums = None
 

@@ -23,14 +23,16 @@ from ddpcli.data.pipeline import DataPipeline
 from ddpcli.data.sets import SKIPPED_IMAGES_FILE, load_splits
 from ddpcli.dist import DistContext, init_distributed, shutdown
 from ddpcli.environments import LauncherEnv, read_launcher_env
-from ddpcli.errors import USAGE, DdpcliError, debug_requested, first_line
+from ddpcli.errors import INTERRUPTED, USAGE, DdpcliError, debug_requested, first_line
 from ddpcli.machine import cpu_count
 from ddpcli.process import (
     collect_then_freeze,
+    die_with_agent,
     exit_with_error,
     freeze_imported_objects,
     keep_freed_memory,
 )
+from ddpcli.stopping import Interrupted, note_interrupts, was_interrupted
 from ddpcli.train import Trainer
 
 SUMMARY_FILE = "summary.json"
@@ -147,26 +149,21 @@ def remove_init_file(init_method: str | None) -> None:
         Path(init_method.removeprefix("file://")).unlink(missing_ok=True)
 
 
-def die_with_agent() -> None:
-    """The elastic agent starts each worker in its own session, so when the agent itself is
-    killed (SIGKILL, the OOM killer, a scheduler) nothing stops its workers, and they train
-    on as orphans. Ask the kernel to kill this worker when its parent dies."""
-    agent = os.environ.get("DDPCLI_AGENT_PID")
-    if not agent or not sys.platform.startswith("linux"):
-        return
-    import ctypes
-
-    pr_set_pdeathsig = 1
-    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
-    if os.getppid() != int(agent):  # the agent died before the line above
-        os._exit(1)
-
-
 def record_for_agent(error: BaseException) -> None:
     """The traceback goes to the agent's error file for its report, the user sees one line.
     A full disk (or a gone folder) must not turn that line into a stack of its own."""
     with contextlib.suppress(OSError):
         get_error_handler().record_exception(error)
+
+
+def end_interrupted(stop: BaseException | None, env: LauncherEnv, cfg: TrainConfig) -> None:
+    """Ctrl-C: the launcher says it once for the job, from what rank 0 leaves in --out."""
+    if env.rank == 0 and isinstance(stop, Interrupted):
+        with contextlib.suppress(OSError):
+            (cfg.resolved_out / SUMMARY_FILE).write_text(ui.json_text(stop.record) + "\n")
+    faulthandler.unregister(signal.SIGTERM)
+    sys.stderr.flush()
+    os._exit(INTERRUPTED)
 
 
 @record
@@ -175,6 +172,7 @@ def main(argv: list[str]) -> None:
     freeze_imported_objects()
     # When the agent stops a stuck job (SIGTERM), say where this rank was waiting first.
     faulthandler.register(signal.SIGTERM, chain=True)
+    note_interrupts()
     cfg = TrainConfig.model_validate_json(Path(argv[1]).read_text())
     env = read_launcher_env()
     if env is None:
@@ -182,7 +180,11 @@ def main(argv: list[str]) -> None:
     try:
         run_worker(cfg, env)
         collect_then_freeze()
+    except KeyboardInterrupt as stop:
+        end_interrupted(stop, env, cfg)
     except Exception as error:
+        if was_interrupted():  # a peer that stopped first: a consequence of the Ctrl-C
+            end_interrupted(None, env, cfg)
         if debug_requested() and not isinstance(error, DdpcliError):
             raise  # @record prints the traceback and hands it to the agent
         exit_for_error(error, env.rank)

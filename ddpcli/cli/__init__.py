@@ -11,11 +11,12 @@ import os
 import sys
 from collections.abc import MutableMapping
 
-from ddpcli.cli import barrier, checkenv, checkpoint, plot, train
+from ddpcli.cli import barrier, checkenv, checkpoint, launch, plot, train
 from ddpcli.cli.app import app
 
 __all__ = [
-    "adopt_legacy_local_rank", "app", "barrier", "checkenv", "checkpoint", "main", "plot", "train",
+    "adopt_legacy_local_rank", "app", "barrier", "checkenv", "checkpoint", "launch", "main",
+    "plot", "train",
 ]  # fmt: skip
 
 LEGACY_LOCAL_RANK = ("--local-rank", "--local_rank")

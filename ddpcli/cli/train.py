@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shlex
+import sys
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -11,6 +13,7 @@ from ddpcli import ui
 from ddpcli.cli.app import _state, app, run_command
 from ddpcli.cli.options import option, setting
 from ddpcli.config import TrainConfig
+from ddpcli.errors import INTERRUPTED, RUNTIME, DdpcliError
 
 # --- train ----------------------------------------------------------------------------------
 
@@ -224,6 +227,15 @@ def train(
     ] = None,
     log_every: Annotated[int | None, train_option("log_every", panel=OUTPUT)] = None,
     tensorboard: Annotated[bool | None, train_option("tensorboard", panel=OUTPUT)] = None,
+    preempt_signal: Annotated[
+        str | None,
+        train_option(
+            "preempt_signal",
+            "A scheduler's warning (SLURM: --signal=USR1@90), sent to the launcher or any "
+            "rank: all ranks save a checkpoint within --log-every steps and stop (exit 1).",
+            OUTPUT,
+        ),
+    ] = None,
     dry_run: Annotated[
         bool, typer.Option("--dry-run", help="Print the resolved config and exit.")
     ] = False,
@@ -261,10 +273,55 @@ def train(
 
         cfg = continue_after_requeue(cfg, launcher)
         check_resume_source(cfg)  # a bad --resume file: exit 2 now, before any worker starts
-        summary = launch_train(cfg, debug=_state["debug"])
+        try:
+            summary = launch_train(cfg, debug=_state["debug"])
+        except KeyboardInterrupt as stop:  # under torchrun this process was the rank itself
+            record = getattr(stop, "record", None)  # ddpcli.stopping.Interrupted's
+            if record is None:
+                raise
+            summary = record
+        if summary.get("stopped"):
+            raise stopped_early(summary)
         report_training(cfg, summary, json_output)
 
     run_command(action)
+
+
+def resume_command(out: str, argv: list[str] | None = None) -> str:
+    """This command again, continuing the run in OUT: `--resume auto` in place of any
+    --resume or --overwrite, and --out named (its default is a new folder each time)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    kept: list[str] = []
+    skip_value = False
+    for arg in args:
+        if skip_value:
+            skip_value = False
+            continue
+        name = arg.split("=", 1)[0]
+        if name in ("--resume", "--out") and "=" not in arg:
+            skip_value = True
+            continue
+        if name in ("--resume", "--out", "--overwrite", "--no-overwrite"):
+            continue
+        kept.append(arg)
+    return "ddpcli " + shlex.join([*kept, "--out", out, "--resume", "auto"])
+
+
+def stopped_early(summary: dict) -> DdpcliError:
+    """Ctrl-C: exit 130; a preemption: exit 1. One line: where, what was saved, what next."""
+    where = f"epoch {summary['stopped_epoch']} step {summary['stopped_step']}"
+    resume = resume_command(summary["out"])
+    saved = summary.get("last_checkpoint")
+    if saved and summary.get("checkpoint_at"):
+        saved = f"{saved} ({summary['checkpoint_at']})"
+    if summary["stopped"] == "interrupted":
+        checkpoint = f"last checkpoint: {saved}" if saved else "no checkpoint saved yet"
+        return DdpcliError(f"interrupted at {where}; {checkpoint}; resume: {resume}", INTERRUPTED)
+    return DdpcliError(
+        f"preempted at {where}: saved {saved}; resume: {resume} (a job requeued with the same "
+        "--out resumes by itself)",
+        RUNTIME,
+    )
 
 
 def show_config(cfg, json_output: bool) -> None:

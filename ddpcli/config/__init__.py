@@ -7,15 +7,18 @@ Only pydantic and ddpcli.errors are imported here: `--help` and `--dry-run` stay
 from ddpcli.config.barrier import BarrierConfig, build_barrier_config
 from ddpcli.config.checkenv import CheckEnvOptions, build_check_options
 from ddpcli.config.common import Backend, describe_validation_error
+from ddpcli.config.launch import ScriptLaunchConfig, build_launch_config
 from ddpcli.config.train import TrainConfig, build_train_config, load_recipe
 
 __all__ = [
     "Backend",
     "BarrierConfig",
     "CheckEnvOptions",
+    "ScriptLaunchConfig",
     "TrainConfig",
     "build_barrier_config",
     "build_check_options",
+    "build_launch_config",
     "build_train_config",
     "describe_validation_error",
     "load_recipe",

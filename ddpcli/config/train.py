@@ -147,6 +147,8 @@ class TrainConfig(BaseModel):
         description="also write TensorBoard event files to OUT/tensorboard (needs the "
         "tensorboard package: pip install 'ddpcli[tensorboard]')",
     )
+    # The signal that saves a checkpoint at the next check (every --log-every steps) and stops
+    preempt_signal: Literal["TERM", "USR1"] = "TERM"
     # debugging: each rank appends the sample indices of every training batch to PATH.rankN
     trace_samples: Path | None = None
     # Resolved, never given: --lr scaled to the global batch of the world that really runs

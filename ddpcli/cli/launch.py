@@ -1,0 +1,130 @@
+"""`ddpcli launch`: flags -> one validated ScriptLaunchConfig -> ddpcli.scriptlaunch.
+
+torchrun's spellings (`--nproc-per-node`, `--node_rank`, `--master_addr`, ...) name the same
+options, so that `torchrun` can be replaced by `ddpcli launch` in a command line. Option
+parsing stops at the script: everything after it is the script's.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from ddpcli.cli.app import _state, app, run_command
+from ddpcli.cli.options import option
+
+NODES = "Multi-node"
+
+
+def spellings(name: str, *more: str) -> tuple[str, ...]:
+    """`--node-rank` and torchrun's `--node_rank` (and any further aliases)."""
+    return (f"--{name}", f"--{name.replace('-', '_')}", *more)
+
+
+@app.command(
+    no_args_is_help=True,
+    context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True},
+)
+def launch(
+    target: Annotated[
+        str, typer.Argument(metavar="SCRIPT.py|MODULE", help="The script (or, with -m, module).")
+    ],
+    script_args: Annotated[
+        list[str] | None, typer.Argument(metavar="[ARGS]...", help="The script's arguments.")
+    ] = None,
+    module: Annotated[
+        bool,
+        typer.Option("-m", "--module", help="Run MODULE as `python -m MODULE` would."),
+    ] = False,
+    gpus: Annotated[
+        str | None,
+        option(
+            "Physical GPU indices, one process each (sets CUDA_VISIBLE_DEVICES): 0,3.",
+            default="all GPUs (no CUDA_VISIBLE_DEVICES)",
+        ),
+    ] = None,
+    nproc: Annotated[
+        int | None,
+        option(
+            "Processes on this node.",
+            default="one per GPU, else 2",
+            decls=("--nproc", *spellings("nproc-per-node")),
+        ),
+    ] = None,
+    nnodes: Annotated[
+        int | None, option("Nodes in the job.", default="1", panel=NODES, decls=("--nnodes",))
+    ] = None,
+    node_rank: Annotated[
+        int | None,
+        option("This node's rank.", default="0", panel=NODES, decls=spellings("node-rank")),
+    ] = None,
+    master_addr: Annotated[
+        str | None,
+        option(
+            "Node 0's address.", default="127.0.0.1", panel=NODES, decls=spellings("master-addr")
+        ),
+    ] = None,
+    master_port: Annotated[
+        int | None,
+        option(
+            "Node 0's agent port.",
+            default="a free port on one node; 29500 on several",
+            panel=NODES,
+            decls=spellings("master-port"),
+        ),
+    ] = None,
+    standalone: Annotated[
+        bool,
+        typer.Option(
+            "--standalone", help="One node on a free port (torchrun's flag; the default here)."
+        ),
+    ] = False,
+    ifname: Annotated[
+        str | None,
+        option(
+            "Network interface for Gloo/NCCL (sets GLOO_/NCCL_SOCKET_IFNAME).",
+            default="the one Gloo/NCCL pick",
+            panel=NODES,
+            decls=("--ifname",),
+        ),
+    ] = None,
+    max_restarts: Annotated[
+        int | None,
+        option(
+            "Restart all workers up to N times when one fails.",
+            default="0",
+            decls=spellings("max-restarts"),
+        ),
+    ] = None,  # fmt: skip
+    timeout: Annotated[
+        float | None,
+        option(
+            "Seconds the nodes may take to meet.", default="300", panel=NODES, decls=("--timeout",)
+        ),
+    ] = None,  # fmt: skip
+    log_dir: Annotated[
+        str | None,
+        option(
+            "One log file per rank; the terminal shows rank 0 and every rank's errors.",
+            default="none: the terminal",
+            decls=spellings("log-dir"),
+        ),
+    ] = None,
+) -> None:
+    """Run a training script on several processes, as torchrun does.
+
+    Each worker gets torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
+    MASTER_ADDR, MASTER_PORT). On failure it names the first rank that failed, how, and its
+    last lines, and stops every worker. torchrun's spellings of the flags work too."""
+    flags = {**locals(), "script_args": script_args or []}
+
+    def action() -> None:
+        from ddpcli.config import build_launch_config
+        from ddpcli.scriptlaunch import check_before_start, launch_script, resolve_script_launch
+
+        cfg = resolve_script_launch(build_launch_config(flags))
+        check_before_start(cfg)
+        launch_script(cfg, debug=_state["debug"])
+
+    run_command(action)

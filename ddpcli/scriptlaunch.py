@@ -1,0 +1,107 @@
+"""`ddpcli launch`: a user's script on ddpcli's launcher, as torchrun would run it.
+
+The same torch.distributed.elastic agent as `ddpcli train` (ddpcli.launch.run_workers): every
+worker gets torchrun's environment and runs the script through `ddpcli.bootstrap`. What the
+machine can tell is checked first (the script, GPUs, interface, master port): exit 2 there,
+before any worker starts.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from ddpcli.checkenv.network import port_holder, port_is_free
+from ddpcli.config import ScriptLaunchConfig
+from ddpcli.errors import DdpcliError, usage_error
+from ddpcli.launch import JobStopped, WorkerJob, run_workers, worker_environment
+from ddpcli.machine import check_gpu_indices, check_interface, physical_gpu_count
+
+BOOTSTRAP_MODULE = "ddpcli.bootstrap"
+CPU_PROCESSES = 2  # with no GPU and no --nproc, as `ddpcli train` does
+
+
+def resolve_script_launch(cfg: ScriptLaunchConfig) -> ScriptLaunchConfig:
+    """Without --gpus or --nproc: one process per GPU of the machine (torchrun's workers pick
+    theirs from LOCAL_RANK), else CPU_PROCESSES processes."""
+    if cfg.gpus or cfg.nproc is not None:
+        return cfg
+    return cfg.model_copy(update={"nproc": physical_gpu_count() or CPU_PROCESSES})
+
+
+def check_before_start(cfg: ScriptLaunchConfig) -> None:
+    """The rows `ddpcli check-env` would fail on for this launch, and the target itself."""
+    check_target(cfg)
+    check_gpu_indices(cfg.gpus, cpu_alternative="--nproc N without --gpus")
+    if cfg.ifname:
+        check_interface(cfg.ifname)
+    if cfg.master_port is not None and cfg.node_rank == 0 and not cfg.standalone:
+        check_master_port(cfg.master_port)
+
+
+def check_target(cfg: ScriptLaunchConfig) -> None:
+    if cfg.module:
+        try:
+            found = importlib.util.find_spec(cfg.target) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            raise usage_error(
+                f"no module named {cfg.target!r} here: run from the folder that holds it, or "
+                "put it on PYTHONPATH"
+            )
+        return
+    script = Path(cfg.target)
+    if not script.is_file():
+        what = "is a folder" if script.is_dir() else "does not exist"
+        raise usage_error(f"invalid SCRIPT: {script} {what}; give a Python file, or -m MODULE")
+
+
+def check_master_port(port: int) -> None:
+    """Node 0's agent listens there: a port taken now fails the launch in the rendezvous."""
+    if port_is_free(port):
+        return
+    holder = port_holder(port)
+    by = f" by {holder}" if holder else ""
+    raise usage_error(
+        f"invalid --master-port: {port} is in use on this machine{by}; pick another, or leave "
+        "it out on one node (a free port is picked)"
+    )
+
+
+def script_job(cfg: ScriptLaunchConfig) -> WorkerJob:
+    target = ["-m", cfg.target] if cfg.module else [cfg.target]
+    return WorkerJob(
+        module=BOOTSTRAP_MODULE,
+        args=[*target, *cfg.script_args],
+        nproc_per_node=cfg.nproc_per_node,
+        nnodes=cfg.nnodes,
+        node_rank=cfg.node_rank,
+        master_addr=cfg.master_addr,
+        master_port=None if cfg.standalone else cfg.master_port,
+        timeout_s=cfg.timeout,
+        max_restarts=cfg.max_restarts,
+        env=worker_environment(cfg.gpus, cfg.nproc_per_node, cfg.ifname),
+        log_dir=cfg.log_dir,
+        timeout_bounds_collectives=False,
+        # The nodes' agents compare these at the roll call: a job is one script, one size.
+        settings={
+            "script": " ".join([*target, *cfg.script_args]),
+            "nproc_per_node": str(cfg.nproc_per_node),
+            "max_restarts": str(cfg.max_restarts),
+        },
+    )
+
+
+def launch_script(cfg: ScriptLaunchConfig, debug: bool = False) -> None:
+    """Run the script on every worker and wait: exit 1 naming the first rank that failed,
+    130 after Ctrl-C, with every worker stopped either way."""
+    job = script_job(cfg)
+    try:
+        run_workers(job, debug)
+    except JobStopped as stopped:
+        raise DdpcliError(
+            f"{stopped.signal_words}: stopped the {job.nproc_per_node} worker(s) of "
+            f"{cfg.target} on this node",
+            stopped.exit_code,
+        ) from None

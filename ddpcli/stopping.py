@@ -1,0 +1,139 @@
+"""How a training run stops before its end when asked to, without a traceback per rank.
+
+- Ctrl-C: every rank stops at once; rank 0 says where the run was (`Interrupted`).
+- A preemption signal (`--preempt-signal`, SIGTERM by default; SIGUSR1 for SLURM's
+  `--signal=USR1@90`), sent to the launcher (which passes it on) or to any one worker: each
+  rank notes it, and every `--log-every` steps, where the loop already waits for the
+  loss reduction, one small all-reduce lets all ranks agree to stop at the same optimizer
+  step. No host sync is added to the other steps. The run then saves a mid-epoch checkpoint
+  (as `--max-steps` does) and ends; a resume continues exactly from it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import os
+import signal
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ddpcli.dist import DistContext, all_reduce_max
+
+# A rank still running this long after the preemption signal is most likely stuck (in a
+# collective with a dead peer): print where, before the agent's SIGKILL (30 s) ends it.
+STUCK_AFTER_S = 20.0
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C inside the training loop, with where the run was (`stop_record`)."""
+
+    def __init__(self, record: dict[str, Any]) -> None:
+        super().__init__("interrupted")
+        self.record = record
+
+
+def stop_record(
+    reason: str,
+    epoch: int,
+    step: int,
+    checkpoint_step: int | None,
+    steps_per_epoch: int,
+    out: Path,
+) -> dict[str, Any]:
+    """What the launcher needs to say where a run stopped and what a resume starts from;
+    EPOCH is 1-based, the one the run was in."""
+    last = out / "checkpoints" / "last.pt"
+    record: dict[str, Any] = {
+        "stopped": reason,
+        "stopped_epoch": epoch,
+        "stopped_step": step,
+        "out": str(out),
+    }
+    if checkpoint_step is not None:
+        epochs, into = divmod(checkpoint_step, max(1, steps_per_epoch))
+        where = f"epoch {epochs}" if into == 0 else f"step {checkpoint_step}, in epoch {epochs + 1}"
+        record.update(last_checkpoint=str(last), checkpoint_at=where)
+    elif last.exists():
+        record.update(last_checkpoint=str(last))
+    return record
+
+
+class Preemption:
+    """Notes the preemption signal while the loop runs, and tells when all ranks agree.
+
+    Python runs a signal handler only between bytecodes of the main thread, which a rank
+    stuck in a collective never reaches; the interpreter's wakeup file descriptor is written
+    at once, so a small thread sees the signal even then and arms the stack dump."""
+
+    def __init__(self, signal_name: str, every_steps: int) -> None:
+        self.signum = signal.Signals[f"SIG{signal_name}"]
+        self.every_steps = max(1, every_steps)
+        self.received = threading.Event()
+        self.agreed = False
+        self._previous: Any = None
+        self._pipe: tuple[int, int] | None = None
+
+    def __enter__(self) -> Preemption:
+        if threading.current_thread() is not threading.main_thread():
+            return self  # signal handlers can only be set there; nothing to watch
+        read_end, write_end = os.pipe()
+        os.set_blocking(write_end, False)
+        self._pipe = (read_end, write_end)
+        self._previous = signal.signal(self.signum, lambda *_: None)
+        signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+        threading.Thread(target=self._watch, args=(read_end,), daemon=True).start()
+        return self
+
+    def _watch(self, read_end: int) -> None:
+        while data := os.read(read_end, 64):
+            if self.signum in data and not self.received.is_set():
+                self.received.set()
+                faulthandler.dump_traceback_later(STUCK_AFTER_S)
+        os.close(read_end)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._pipe is None:
+            return
+        signal.set_wakeup_fd(-1)
+        signal.signal(self.signum, self._previous or signal.SIG_DFL)
+        with contextlib.suppress(OSError):
+            os.close(self._pipe[1])  # the watching thread reads the end of the pipe and ends
+        self._pipe = None
+
+    @property
+    def signal_name(self) -> str:
+        return self.signum.name
+
+    def stop_now(self, step: int, ctx: DistContext, boundary: bool = False) -> bool:
+        """True, on every rank alike, once any rank received the signal. Asked after each
+        optimizer step; it communicates every `every_steps` steps, and at epoch ends
+        (BOUNDARY), and nowhere else."""
+        if self.agreed:
+            return True
+        if not boundary and step % self.every_steps:
+            return False
+        flag = torch.tensor([1.0 if self.received.is_set() else 0.0], device=ctx.device)
+        self.agreed = bool(all_reduce_max(flag, ctx).item() > 0)
+        return self.agreed
+
+
+_interrupted = threading.Event()
+
+
+def note_interrupts() -> None:
+    """Ctrl-C raises KeyboardInterrupt as usual, and is remembered: an error a rank meets
+    afterwards (a peer that already stopped) is a consequence, not news."""
+
+    def interrupt(signum: int, frame: object) -> None:
+        _interrupted.set()
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, interrupt)
+
+
+def was_interrupted() -> bool:
+    return _interrupted.is_set()

@@ -1,0 +1,204 @@
+"""`ddpcli launch` run for real on the CPU with Gloo: a user's script (and a module) as one
+world of 2 under ddpcli's and torchrun's flag spellings; the three classic failures (an
+exception on rank 1, rank 1 killed by SIGKILL, rank 1 stuck outside a collective) each give
+exit 1 naming rank 1 and leave no process; what the machine can tell is refused with exit 2
+before any worker starts; Ctrl-C gives one line and exit 130.
+"""
+
+from __future__ import annotations
+
+import signal
+import socket
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from conftest import REPO, LiveProcess, clean_env, run_cli
+
+STARTUP_S = 90  # imports and rendezvous on a busy two-core machine
+
+ALL_REDUCE = """
+    import os, sys
+    import torch
+    import torch.distributed as dist
+    dist.init_process_group("gloo")
+    total = torch.tensor([float(dist.get_rank())])
+    dist.all_reduce(total)
+    print(f"rank {dist.get_rank()}/{dist.get_world_size()} local {os.environ['LOCAL_RANK']} "
+          f"of {os.environ['LOCAL_WORLD_SIZE']} sum {total.item():g} args {sys.argv[1:]}",
+          flush=True)
+    dist.destroy_process_group()
+"""
+FAILURES = {
+    "exception": """
+        import torch.distributed as dist
+        dist.init_process_group("gloo")
+        if dist.get_rank() == 1:
+            raise ValueError("bad batch on rank 1")
+        dist.barrier()
+    """,
+    "sigkill": """
+        import os, signal
+        import torch.distributed as dist
+        dist.init_process_group("gloo")
+        if dist.get_rank() == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        dist.barrier()
+    """,
+    "stuck": """
+        import datetime, time
+        import torch.distributed as dist
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=5))
+        if dist.get_rank() == 1:
+            time.sleep(600)  # never reaches the barrier rank 0 waits in
+        dist.barrier()
+    """,
+}
+EXPECTED = {
+    "exception": ["rank 1 on {host} failed first: exit code 1", "ValueError: bad batch on rank 1"],
+    "sigkill": ["rank 1 on {host} failed first: killed by SIGKILL"],
+    "stuck": ["rank 1 on {host} stopped responding: rank 0 waited for it", "(SIGTERM)"],
+}
+
+
+def run_in(folder: Path, *args: str, timeout: float = 60, path: str = ""):
+    """`ddpcli ARGS` run from FOLDER, with this checkout's ddpcli importable."""
+    env = {"PYTHONPATH": f"{path}:{REPO}" if path else str(REPO)}
+    return run_cli(*args, env=env, timeout=timeout, cwd=folder)
+
+
+def write_script(folder: Path, name: str, body: str) -> Path:
+    path = folder / name
+    path.write_text(textwrap.dedent(body))
+    return path
+
+
+def processes_running(marker: str) -> list[int]:
+    """Processes whose command line names MARKER (a test's own script path)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            args = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if any(marker in arg for arg in args) and "pytest" not in " ".join(args):
+            found.append(int(entry.name))
+    return found
+
+
+def assert_none_left(marker: str, grace_s: float = 5) -> None:
+    deadline = time.monotonic() + grace_s
+    while processes_running(marker) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not processes_running(marker), f"left behind: {processes_running(marker)}"
+
+
+def reported_ranks(stdout: str) -> list[str]:
+    return sorted(line.split(" local")[0] for line in stdout.splitlines() if "sum 1" in line)
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [["--nproc", "2"], ["--nproc-per-node=2", "--standalone"], ["--nproc_per_node", "2"]],
+    ids=["ddpcli", "torchrun-dashes", "torchrun-underscores"],
+)
+def test_a_script_runs_as_one_world_of_two(tmp_path, flags):
+    script = write_script(tmp_path, "all_reduce.py", ALL_REDUCE)
+    result = run_cli("launch", *flags, str(script), "--lr", "0.1", "-x", timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert reported_ranks(result.stdout) == ["rank 0/2", "rank 1/2"], result.stdout
+    assert "of 2 sum 1 args ['--lr', '0.1', '-x']" in result.stdout  # the script's, untouched
+    assert_none_left(str(script))
+
+
+def test_a_module_runs_with_dash_m(tmp_path):
+    package = tmp_path / "mypkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    write_script(package, "job.py", ALL_REDUCE)
+    args = ["launch", "--nproc", "2", "-m", "mypkg.job", "--epochs", "1"]
+    result = run_in(tmp_path, *args, timeout=180, path=str(tmp_path))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert reported_ranks(result.stdout) == ["rank 0/2", "rank 1/2"], result.stdout
+    assert "args ['--epochs', '1']" in result.stdout
+
+
+@pytest.mark.parametrize("failure", sorted(FAILURES))
+def test_a_failing_script_names_the_rank_that_failed_first(tmp_path, failure):
+    script = write_script(tmp_path, f"{failure}.py", FAILURES[failure])
+    result = run_cli("launch", "--nproc", "2", str(script), timeout=180)
+    assert result.returncode == 1, result.stderr[-3000:]
+    summary = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    host = socket.gethostname()
+    for expected in EXPECTED[failure]:
+        assert any(expected.format(host=host) in line for line in summary), result.stderr[-3000:]
+    assert "rank 0 on" not in result.stderr  # the rank that only lost its peer is not blamed
+    assert "SignalException" not in result.stderr and "ChildFailedError" not in result.stderr
+    assert_none_left(str(script))
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["missing.py"], "invalid SCRIPT: missing.py does not exist"),
+        (["-m", "no_such_module_here"], "no module named 'no_such_module_here'"),
+        (["--ifname", "nosuchif0", "x.py"], "invalid --ifname: interface 'nosuchif0' does not"),
+        (["--gpus", "63", "x.py"], "invalid --gpus: GPU 63 does not exist"),
+        (["--nnodes", "2", "--node-rank", "2", "x.py"], "invalid --node-rank: 2 must be below"),
+        (["--nproc", "two", "x.py"], "Invalid value for '--nproc'"),
+    ],
+)
+def test_bad_input_is_refused_before_any_worker_starts(tmp_path, args, message):
+    (tmp_path / "x.py").write_text("raise SystemExit('must not run')\n")
+    result = run_in(tmp_path, "launch", *args)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr and "must not run" not in result.stderr
+
+
+def test_a_taken_master_port_is_refused(tmp_path):
+    (tmp_path / "x.py").write_text("raise SystemExit('must not run')\n")
+    with socket.socket() as taken:
+        taken.bind(("", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = run_in(tmp_path, "launch", "--master-port", str(port), "x.py")
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert f"invalid --master-port: {port} is in use" in result.stderr
+
+
+def test_ctrl_c_prints_one_line_exits_130_and_leaves_nothing(tmp_path):
+    script = write_script(
+        tmp_path,
+        "forever.py",
+        """
+        import time
+        import torch.distributed as dist
+        dist.init_process_group("gloo")
+        print("training", flush=True)
+        while True:
+            dist.barrier()
+            time.sleep(0.05)
+        """,
+    )
+    command = [sys.executable, "-m", "ddpcli", "launch", "--nproc", "2", str(script)]
+    run = LiveProcess(command, clean_env(PYTHONUNBUFFERED="1"))
+    try:
+        # stdout is not read: wait until both workers are up, then press Ctrl-C.
+        deadline = time.monotonic() + STARTUP_S
+        while len(processes_running(str(script))) < 3 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        time.sleep(3)  # in the loop, past the rendezvous
+        run.process.send_signal(signal.SIGINT)  # the terminal signals the foreground group
+        code = run.finish(timeout=60)
+    finally:
+        run.kill()
+    assert code == 130, run.stderr[-3000:]
+    assert "Traceback" not in run.stderr and "KeyboardInterrupt" not in run.stderr
+    lines = [line for line in run.stderr.splitlines() if line.strip()]
+    assert lines[-1].startswith("error: interrupted (Ctrl-C): stopped the 2 worker(s)"), lines
+    assert_none_left(str(script))
