@@ -7,6 +7,7 @@ before any worker starts; Ctrl-C gives one line and exit 130.
 
 from __future__ import annotations
 
+import re
 import signal
 import socket
 import sys
@@ -98,7 +99,9 @@ def assert_none_left(marker: str, grace_s: float = 5) -> None:
 
 
 def reported_ranks(stdout: str) -> list[str]:
-    return sorted(line.split(" local")[0] for line in stdout.splitlines() if "sum 1" in line)
+    # Found anywhere, not per line: two ranks writing one pipe may interleave a line's text
+    # and its newline (as under torchrun).
+    return sorted(re.findall(r"rank \d/\d(?= local \d of \d sum 1 )", stdout))
 
 
 @pytest.mark.parametrize(
