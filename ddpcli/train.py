@@ -32,12 +32,16 @@ from ddpcli.checkpoint.schema import (
 )
 from ddpcli.checkpoint.writer import CheckpointWriter, write_metrics_history
 from ddpcli.config import TrainConfig
+from ddpcli.data.mixing import BatchMixing, build_mixing
 from ddpcli.data.pipeline import DataPipeline
 from ddpcli.data.sets import SKIPPED_IMAGES_FILE
 from ddpcli.dist import DistContext, all_reduce_max, all_reduce_sum, barrier
+from ddpcli.ema import WeightAverage, adjusted_decay
 from ddpcli.errors import DdpcliError, runtime_error
 from ddpcli.models import build_model
+from ddpcli.param_groups import weight_decay_groups
 from ddpcli.strategy import batch_split, model_devices, unwrap, wrap_model
+from ddpcli.syncbn import convert_sync_batchnorm
 from ddpcli.timing import synced_clock, synchronize
 
 TIMING_WARMUP_STEPS = 3  # the first steps pay for allocation and autotuning; not timed
@@ -49,6 +53,8 @@ TIMING_WARMUP_STEPS = 3  # the first steps pay for allocation and autotuning; no
 def build_parallel_model(cfg: TrainConfig, ctx: DistContext, num_classes: int) -> nn.Module:
     torch.manual_seed(cfg.seed)  # identical initial weights everywhere (DDP also broadcasts)
     model = build_model(cfg.resolved_arch, num_classes).to(ctx.device)
+    if cfg.sync_bn and ctx.distributed:
+        model = convert_sync_batchnorm(model, ctx.device)
     if ctx.device.type == "cuda":
         model = model.to(memory_format=torch.channels_last)
     return wrap_model(model, cfg, ctx)
@@ -56,15 +62,8 @@ def build_parallel_model(cfg: TrainConfig, ctx: DistContext, num_classes: int) -
 
 def build_optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
     """SGD at the run's peak rate: --lr scaled to the global batch (`peak_lr`)."""
-    # No weight decay on norms and biases: the usual recipe for BN nets.
-    decay: list[nn.Parameter] = []
-    no_decay: list[nn.Parameter] = []
-    for parameter in model.parameters():
-        (no_decay if parameter.ndim <= 1 else decay).append(parameter)
-    groups = [
-        {"params": decay, "weight_decay": cfg.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
+    # No weight decay on biases, and on norms only --norm-weight-decay: the BN-net recipe.
+    groups = weight_decay_groups(model, cfg.weight_decay, cfg.norm_weight_decay)
     # One fused kernel for the whole update, on GPUs and on the CPU alike: on the CPU
     # foreach is the slowest choice (measured in docs/performance.md).
     lr = cfg.resolved_peak_lr
@@ -127,7 +126,10 @@ class Trainer:
             self.optimizer, warmup_cosine(self.total_steps, self.warmup_steps)
         )
         self.scaler = torch.amp.GradScaler(ctx.device.type, enabled=cfg.precision == "fp16")
+        # Takes class indices, or the soft targets Mixup/CutMix make.
         self.loss_fn = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
+        self.mixing: BatchMixing | None = build_mixing(cfg, data.splits.num_classes)
+        self.ema = self.build_ema()
         self.state = TrainState()
         self.first_step_pending = True
         self.writer = CheckpointWriter(cfg, ctx)
@@ -135,9 +137,18 @@ class Trainer:
         self.saved_step: int | None = None  # the step of the newest checkpoint in --out
         self.finite_step = 0  # the last step at which the loss was checked and finite
 
+    def build_ema(self) -> WeightAverage | None:
+        cfg = self.cfg
+        if not cfg.ema:
+            return None
+        decay = adjusted_decay(cfg.ema_decay, self.global_batch, cfg.ema_steps, cfg.epochs)
+        return WeightAverage(unwrap(self.model), decay, cfg.ema_steps, self.warmup_steps)
+
     # --- checkpoints
     def parts(self) -> TrainingParts:
-        return TrainingParts(unwrap(self.model), self.optimizer, self.scheduler, self.scaler)
+        return TrainingParts(
+            unwrap(self.model), self.optimizer, self.scheduler, self.scaler, self.ema
+        )
 
     def save_checkpoint(self, name: str, is_best: bool) -> None:
         """Callers check the weights first (check_weights): last.pt must stay a good one."""
@@ -307,10 +318,16 @@ class Trainer:
             last_micro = state.batch_in_epoch == micro_total
             steps_now = state.batch_in_epoch % cfg.accumulate == 0 or last_micro
             accumulated = self.micro_batches_in_step(state.batch_in_epoch)
-            self.train_micro_step(images, labels, sums, steps_now, accumulated)
+            targets = labels
+            if self.mixing:  # one draw per batch: (seed, epoch, micro-batch, rank)
+                key = state.batch_in_epoch * ctx.world_size + ctx.rank
+                images, targets = self.mixing(images, labels, state.epoch, key)
+            self.train_micro_step(images, labels, sums, steps_now, accumulated, targets)
             timer.tick(len(labels))
             if steps_now:
                 state.step += 1
+                if self.ema:
+                    self.ema.after_step(unwrap(self.model), state.step)
                 if self.first_step_pending:  # one device sync per run, for "time to first step"
                     first_step_at, self.first_step_pending = synced_time(ctx.device), False
                 self.after_optimizer_step(sums, progress, timer, last_micro)
@@ -321,7 +338,8 @@ class Trainer:
             state.partial_sums = totals
         train_loss, train_acc = means(totals)
         images_per_sec = timer.images_per_sec(ctx)
-        val_loss, val_acc, val_samples = self.validate()
+        val_loss, val_acc, val_samples = self.validate(unwrap(self.model))
+        ema_metrics = self.validate_ema()
         return {
             "epoch": state.epoch + 1,
             "step": state.step,
@@ -330,6 +348,7 @@ class Trainer:
             "val_loss": val_loss,
             "val_acc": val_acc,
             "val_samples": val_samples,
+            **ema_metrics,
             "images_per_sec": images_per_sec,
             "lr": self.scheduler.get_last_lr()[0],
             "peak_lr": cfg.peak_lr,
@@ -367,11 +386,13 @@ class Trainer:
         sums: torch.Tensor,
         steps_now: bool,
         accumulated: int,
+        targets: torch.Tensor,
     ) -> None:
+        """TARGETS: LABELS, or Mixup/CutMix's soft targets (accuracy counts LABELS)."""
         with self.gradient_sync(steps_now):
             with autocast_context(self.cfg, self.ctx):
                 logits = self.forward_model(images)
-                loss = self.loss_fn(logits, labels)
+                loss = self.loss_fn(logits, targets)
             self.scaler.scale(loss / accumulated).backward()
         with torch.no_grad():
             sums[0] += loss.detach().double() * len(labels)
@@ -446,11 +467,17 @@ class Trainer:
             f"{finding} {when} ({where}): training stopped; {kept}. Start again with {hint}"
         )
 
+    def validate_ema(self) -> dict[str, float]:
+        """The EMA weights validated beside the raw ones: `ema_val_loss`, `ema_val_acc`."""
+        if not self.ema:
+            return {}
+        loss, acc, _ = self.validate(self.ema.module)
+        return {"ema_val_loss": loss, "ema_val_acc": acc}
+
     @torch.no_grad()
-    def validate(self) -> tuple[float, float, int]:
+    def validate(self, model: nn.Module) -> tuple[float, float, int]:
         """Every validation sample counted once: strided shards, no padding, one all_reduce.
-        The unwrapped module runs, so ranks with one batch fewer never wait on a collective."""
-        model = unwrap(self.model)
+        MODEL is unwrapped, so ranks with one batch fewer never wait on a collective."""
         model.eval()
         sums = torch.zeros(3, device=self.ctx.device, dtype=torch.float64)
         for images, labels in self.data.val_batches():
@@ -471,8 +498,7 @@ class Trainer:
         self.check_weights()
         state = self.state
         state.history.append(metrics)
-        is_best = metrics["val_acc"] > state.best_val_acc
-        state.best_val_acc = max(state.best_val_acc, metrics["val_acc"])
+        is_best = self.record_best(metrics)
         state.epoch += 1
         state.batch_in_epoch = 0
         if self.ctx.is_main:
@@ -482,6 +508,13 @@ class Trainer:
         self.save_checkpoint(f"epoch-{state.epoch:04d}.pt", is_best=is_best)
         barrier(self.ctx)
 
+    def record_best(self, metrics: dict[str, Any]) -> bool:
+        """best.pt follows the weights a user would deploy: the EMA's when --ema is on."""
+        accuracy = metrics.get("ema_val_acc", metrics["val_acc"])
+        is_best = accuracy > self.state.best_val_acc
+        self.state.best_val_acc = max(self.state.best_val_acc, accuracy)
+        return is_best
+
     def stop_inside_epoch(self, metrics: dict[str, Any]) -> None:
         """--max-steps stopped the run inside an epoch. Its checkpoint holds the epoch, the
         batches done and the partial sums (as a --save-every-steps one does), so a resume
@@ -490,8 +523,7 @@ class Trainer:
         self.check_weights()
         state = self.state
         metrics.update(partial=True, batch_in_epoch=state.batch_in_epoch)
-        is_best = metrics["val_acc"] > state.best_val_acc
-        state.best_val_acc = max(state.best_val_acc, metrics["val_acc"])
+        is_best = self.record_best(metrics)
         if self.ctx.is_main:
             with open(self.out / "metrics.jsonl", "a") as handle:
                 handle.write(ui.json_text(metrics) + "\n")

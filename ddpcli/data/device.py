@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +20,7 @@ from ddpcli.data.augment import (
     resample_boxes,
     resized_crop_boxes,
 )
+from ddpcli.data.autoaugment import auto_augment_images
 from ddpcli.data.sets import ImageSet
 
 
@@ -42,9 +44,12 @@ class DeviceResidentBatches:
         channels_last: bool = False,
         drop_last: bool = False,
         image_size: int | None = None,
+        auto_augment: Any = None,
     ):
-        """`image_size`: the side of the batches, where the set holds its images at another
-        (image folders kept whole for `rrc`); by default the set's own."""
+        """`image_size`: the side of `rrc`'s batches, where the set holds its images at
+        another (image folders kept whole, --train-crop-size); by default the set's own.
+        `indices` are keys (ddpcli.data.ra_sampler): image `key % len(images)`, its draws
+        keyed by the key. `auto_augment`: a torchvision policy applied after the crop."""
         self.images = images.images.to(device)
         self.labels = images.labels.to(device)
         # Each image's size as decoded, on the CPU, where crop boxes are drawn.
@@ -60,6 +65,7 @@ class DeviceResidentBatches:
         self.seed, self.epoch = seed, epoch
         self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
         self.drop_last = drop_last
+        self.auto_augment = auto_augment
 
     def __len__(self) -> int:
         if self.drop_last:
@@ -68,22 +74,28 @@ class DeviceResidentBatches:
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         for start in range(0, len(self) * self.batch_size, self.batch_size):
-            rows = self.indices[start : start + self.batch_size]
+            keys = self.indices[start : start + self.batch_size]
+            rows = keys % len(self.labels)
             batch = rows.to(self.device)
             images = self.images[batch]
             if self.augment == "rrc":
-                images = self._resized_crop(images, rows)
+                images = self._resized_crop(images, rows, keys)
             elif self.augment == "crop-flip":
-                images = self._crop_and_flip(images, batch)
+                images = self._crop_and_flip(images, keys.to(self.device))
+            if self.auto_augment is not None:  # torchvision's policies take uint8 pixels
+                pixels = images.round().clamp_(0, 255).to(torch.uint8)
+                images = auto_augment_images(pixels, keys, self.seed, self.epoch, self.auto_augment)
             images = (images.float().div_(255) - self.mean) / self.std
             yield images.contiguous(memory_format=self.memory_format), self.labels[batch]
 
-    def _resized_crop(self, images: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    def _resized_crop(
+        self, images: torch.Tensor, rows: torch.Tensor, keys: torch.Tensor
+    ) -> torch.Tensor:
         """Each image's box, drawn on the CPU from its decoded size, resampled on the device
         in one grid_sample for the whole batch."""
         sizes = self.sizes[rows]
         heights, widths = sizes[:, 0], sizes[:, 1]
-        boxes = resized_crop_boxes(self.seed, self.epoch, rows, heights, widths)
+        boxes = resized_crop_boxes(self.seed, self.epoch, keys, heights, widths)
         return resample_boxes(images, boxes, heights, widths, self.image_size)
 
     def _crop_and_flip(self, images: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
