@@ -279,3 +279,28 @@ def test_bad_recipe_flags_exit_2_naming_the_flag(flags, said):
     result = dry_run("--nproc", "2", *flags)
     assert result.returncode == 2
     assert said in result.stderr and "Traceback" not in result.stderr
+
+
+def test_v2_recipe_dry_run_shows_every_setting(tmp_path):
+    from PIL import Image
+
+    for split, names in (("train", ("a", "b")), ("val", ("a",))):
+        for name in names:
+            (tmp_path / split / name).mkdir(parents=True)
+            Image.new("RGB", (8, 8)).save(tmp_path / split / name / "0.png")
+    recipe = REPO / "recipes" / "imagenet-resnet50-v2.toml"
+    args = ("--recipe", str(recipe), "--data-dir", str(tmp_path), "--nproc", "8")
+    result = run_cli("train", "--cpu", "--dry-run", *args, timeout=60)
+    assert result.returncode == 0, result.stderr
+    shown = dict(line.split(" = ", 1) for line in result.stdout.splitlines())
+    want = {
+        "arch": "resnet50", "train_crop_size": "176", "val_resize_size": "232",
+        "val_crop_size": "224", "auto_augment": "ta_wide", "random_erase": "0.1",
+        "mixup_alpha": "0.2", "cutmix_alpha": "1.0", "label_smoothing": "0.1", "ra_reps": "4",
+        "epochs": "600", "weight_decay": "2e-05", "norm_weight_decay": "0.0", "ema": "True",
+        "ema_steps": "32", "ema_decay": "0.99998", "global_batch": "1024", "peak_lr": "0.5",
+    }  # fmt: skip
+    assert {key: shown.get(key) for key in want} == want
+    # With fewer processes than copies of each image, it says so before anything starts.
+    few = run_cli("train", "--cpu", "--dry-run", *args[:-1], "2", timeout=60)
+    assert few.returncode == 2 and "invalid --ra-reps: 4 copies" in few.stderr
