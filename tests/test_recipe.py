@@ -304,3 +304,7 @@ def test_v2_recipe_dry_run_shows_every_setting(tmp_path):
     # With fewer processes than copies of each image, it says so before anything starts.
     few = run_cli("train", "--cpu", "--dry-run", *args[:-1], "2", timeout=60)
     assert few.returncode == 2 and "invalid --ra-reps: 4 copies" in few.stderr
+    # The device path caches image folders at the default validation view: it names the path
+    # that takes the recipe's 232 -> 224.
+    device = run_cli("train", "--cpu", "--dry-run", *args, "--data-path", "device", timeout=60)
+    assert device.returncode == 2 and "use --data-path loader" in device.stderr
