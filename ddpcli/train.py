@@ -318,15 +318,12 @@ class Trainer:
             last_micro = state.batch_in_epoch == micro_total
             steps_now = state.batch_in_epoch % cfg.accumulate == 0 or last_micro
             accumulated = self.micro_batches_in_step(state.batch_in_epoch)
-            targets = labels
-            if self.mixing:  # one draw per batch: (seed, epoch, micro-batch, rank)
-                key = state.batch_in_epoch * ctx.world_size + ctx.rank
-                images, targets = self.mixing(images, labels, state.epoch, key)
+            images, targets = self.mixed(images, labels)
             self.train_micro_step(images, labels, sums, steps_now, accumulated, targets)
             timer.tick(len(labels))
             if steps_now:
                 state.step += 1
-                if self.ema:
+                if self.ema is not None:
                     self.ema.after_step(unwrap(self.model), state.step)
                 if self.first_step_pending:  # one device sync per run, for "time to first step"
                     first_step_at, self.first_step_pending = synced_time(ctx.device), False
@@ -372,6 +369,16 @@ class Trainer:
                 else per_rank(peaks[0], self.ctx)
             )
         return metrics
+
+    def mixed(
+        self, images: torch.Tensor, labels: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """With Mixup/CutMix: the mixed batch and its soft targets, drawn from (seed, epoch,
+        micro-batch, rank) alone; else the batch and its labels."""
+        if self.mixing is None:
+            return images, labels
+        key = self.state.batch_in_epoch * self.ctx.world_size + self.ctx.rank
+        return self.mixing(images, labels, self.state.epoch, key)
 
     def gradient_sync(self, steps_now: bool) -> AbstractContextManager[object]:
         """Gradients are all-reduced only on the micro-step that steps the optimizer."""
@@ -469,7 +476,7 @@ class Trainer:
 
     def validate_ema(self) -> dict[str, float]:
         """The EMA weights validated beside the raw ones: `ema_val_loss`, `ema_val_acc`."""
-        if not self.ema:
+        if self.ema is None:
             return {}
         loss, acc, _ = self.validate(self.ema.module)
         return {"ema_val_loss": loss, "ema_val_acc": acc}
