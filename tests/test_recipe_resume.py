@@ -9,6 +9,8 @@ from __future__ import annotations
 import pytest
 from conftest import read_metrics, run_cli
 
+from ddpcli.checkpoint.loading import safe_load
+
 EVERY_INGREDIENT = [
     "--cpu", "--nproc", "2", "--arch", "tinycnn", "--image-size", "16", "--synthetic-size", "128",
     "--per-gpu-batch", "16", "--epochs", "2", "--augment", "rrc", "--train-crop-size", "12",
@@ -45,3 +47,7 @@ def test_every_ingredient_on_stopped_mid_epoch_resumes_to_the_same_metrics(tmp_p
                 key,
             )
     assert "EMA val acc" in result.stderr  # both accuracies reported
+    best = safe_load(reference / "checkpoints" / "best.pt")
+    assert best["ema"] is not None and "n_averaged" in best["ema"]  # the EMA is checkpointed
+    best_epoch = max(want, key=lambda m: m["ema_val_acc"])["epoch"]  # best.pt follows the EMA
+    assert best["metrics"][-1]["epoch"] == best_epoch
