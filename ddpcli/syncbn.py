@@ -9,10 +9,33 @@ CPU run trains what a GPU run trains.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.nn.functional import all_reduce
+
+
+class _SummedOverRanks(torch.autograd.Function):
+    """all_reduce (sum) that autograd sees through: the gradient of a sum over ranks is the
+    sum of every rank's gradient (torch.distributed.nn's, which torch now deprecates)."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        summed = tensor.clone()
+        dist.all_reduce(summed, group=group)
+        return summed
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        summed = grad.clone()
+        dist.all_reduce(summed, group=ctx.group)
+        return summed, None
+
+
+def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    return _SummedOverRanks.apply(tensor, group)
 
 
 class GlooSyncBatchNorm(nn.modules.batchnorm._BatchNorm):

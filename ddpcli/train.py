@@ -258,6 +258,8 @@ class Trainer:
             f"strategy {cfg.strategy} · data path {self.data.path_name} · "
             f"compile {'on' if cfg.compile else 'off'}{self.split_note()}"
         )
+        if ingredients := ingredients_line(cfg, self.ema):
+            ui.info(ingredients)
         skipped = self.data.splits.skipped
         if skipped:
             ui.warn(
@@ -542,6 +544,26 @@ class Trainer:
             )
         self.save_checkpoint(f"step-{state.step:08d}.pt", is_best=is_best)
         state.partial_sums = None
+
+
+def ingredients_line(cfg: TrainConfig, ema: WeightAverage | None) -> str:
+    """`recipe: sync-bn · EMA every 32 steps, decay 0.99... · ...`: the ingredients on."""
+    parts = ["sync-bn"] if cfg.sync_bn else []
+    if ema is not None:
+        parts.append(f"EMA every {ema.every_steps} steps, decay {ema.decay:.6g} (adjusted)")
+    mixing = [f"{name} {alpha:g}" for name, alpha in
+              (("mixup", cfg.mixup_alpha), ("cutmix", cfg.cutmix_alpha)) if alpha]  # fmt: skip
+    if mixing:
+        parts.append(" / ".join(mixing))
+    if cfg.auto_augment != "none":
+        parts.append(cfg.auto_augment)
+    if cfg.random_erase:
+        parts.append(f"random erase {cfg.random_erase:g}")
+    if cfg.ra_reps > 1:
+        parts.append(f"ra-reps {cfg.ra_reps}")
+    if cfg.norm_weight_decay:
+        parts.append(f"norm weight decay {cfg.norm_weight_decay:g}")
+    return "recipe: " + " · ".join(parts) if parts else ""
 
 
 def means(totals: list[float]) -> tuple[float, float]:

@@ -271,6 +271,7 @@ def test_dry_run_resolves_and_shows_every_recipe_setting():
             "invalid --val-crop-size: 40 is larger than --val-resize-size 36",
         ),
         (("--random-erase", "1.5"), "--random-erase"),
+        (("--strategy", "dp", "--sync-bn"), "invalid --sync-bn: it synchronises DDP ranks"),
         (("--auto-augment", "cutout"), "--auto-augment"),
         (("--ema-decay", "1"), "--ema-decay"),
     ],

@@ -47,6 +47,7 @@ def test_every_ingredient_on_stopped_mid_epoch_resumes_to_the_same_metrics(tmp_p
                 key,
             )
     assert "EMA val acc" in result.stderr  # both accuracies reported
+    assert "recipe: sync-bn · EMA every 2 steps" in result.stderr  # what is on, said up front
     best = safe_load(reference / "checkpoints" / "best.pt")
     assert best["ema"] is not None and "n_averaged" in best["ema"]  # the EMA is checkpointed
     best_epoch = max(want, key=lambda m: m["ema_val_acc"])["epoch"]  # best.pt follows the EMA

@@ -195,6 +195,9 @@ class DataPipeline:
             train = f"{size} train images, {trained} per epoch ({repeated})"
         else:
             train = f"{size} train images per epoch"
+        if self.cfg.ra_reps > 1:  # the epoch keeps its length: fewer images, repeated
+            reps = self.cfg.ra_reps
+            train += f" (--ra-reps {reps}: about {trained // reps} distinct, each on {reps} ranks)"
         return f"{train} / {self.val_size} val images"
 
     def train_batches(self, epoch: int, skip_batches: int = 0):
