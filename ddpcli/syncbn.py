@@ -21,7 +21,7 @@ class _SummedOverRanks(torch.autograd.Function):
     sum of every rank's gradient (torch.distributed.nn's, which torch now deprecates)."""
 
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    def forward(ctx: Any, tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
         ctx.group = group
         summed = tensor.clone()
         dist.all_reduce(summed, group=group)
@@ -34,7 +34,7 @@ class _SummedOverRanks(torch.autograd.Function):
         return summed, None
 
 
-def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     return _SummedOverRanks.apply(tensor, group)
 
 
