@@ -13,7 +13,7 @@ Needs a quiet machine: the img/s column is only comparable within one run of thi
 
     pip install -e ".[bench]"
     python benchmarks/recipe_ablation.py [--epochs 10] [--seeds 0,1,2] [--size 32]
-        [--data-path loader|device] [--only mixup,ema]
+        [--data-path loader|device] [--only mixup-cutmix,ema] [--stl10 DATA_DIR]
 """
 
 from __future__ import annotations
@@ -55,9 +55,11 @@ ALL = [
 
 
 def run_ddpcli(data: Path, flags: list[str], args: argparse.Namespace, seed: int, out: Path):
+    dataset = ["--dataset", "stl10", "--data-dir", str(args.stl10)] if args.stl10 else [
+        "--dataset", "imagefolder", "--data-dir", str(data)]  # fmt: skip
     command = [
-        sys.executable, "-m", "ddpcli", "train", "--cpu", "--nproc", "2", "--dataset",
-        "imagefolder", "--data-dir", str(data), "--arch", args.arch, "--image-size",
+        sys.executable, "-m", "ddpcli", "train", "--cpu", "--nproc", "2", *dataset,
+        "--arch", args.arch, "--image-size",
         str(args.size), "--epochs", str(args.epochs), "--per-gpu-batch", "32", "--seed",
         str(seed), "--data-path", args.data_path, "--out", str(out), "--json", *flags,
     ]  # fmt: skip
@@ -81,6 +83,9 @@ def main() -> None:
     parser.add_argument("--arch", default="resnet18")
     parser.add_argument("--data-path", default="loader", choices=("loader", "device"))
     parser.add_argument("--only", default="", help="comma-separated rows (baseline is kept)")
+    parser.add_argument(
+        "--stl10", type=Path, help="train on STL-10 (stl10_binary/ under this folder) instead"
+    )
     args = parser.parse_args()
     seeds = [int(seed) for seed in args.seeds.split(",")]
     small = str(max(8, round(args.size * 176 / 224)))  # the v2 recipe's 176 for 224
@@ -102,7 +107,8 @@ def main() -> None:
             print(f"done: {name}", file=sys.stderr)
     base = statistics.fmean(r["val_acc"] for r in results["baseline"])
     print(
-        f"{args.arch} at {args.size} px, {args.epochs} epochs, 2 CPU ranks x 32, "
+        f"{'STL-10' if args.stl10 else 'digits folder'}: {args.arch} at {args.size} px, "
+        f"{args.epochs} epochs, 2 CPU ranks x 32, "
         f"{args.data_path} path, seeds {args.seeds}\n"
     )
     print("| ingredient | val acc % (mean ± sd) | vs baseline | EMA val acc % | img/s |")
