@@ -14,7 +14,7 @@ from typing import Any
 from ddpcli.archs import check_arch
 from ddpcli.config import TrainConfig
 from ddpcli.data.augment import training_augment
-from ddpcli.data.sets import STL10_SIDE, check_data_source
+from ddpcli.data.sets import STL10_SIDE, check_data_source, resize_side
 from ddpcli.environments import LauncherEnv
 from ddpcli.errors import usage_error
 from ddpcli.files import folder_write_problem
@@ -52,6 +52,7 @@ def resolve_train_config(cfg: TrainConfig, launcher: LauncherEnv | None) -> Trai
         folder_size = IMAGEFOLDER_SIZE["gpu" if on_gpu else "cpu"]
         values["image_size"] = NATIVE_IMAGE_SIZE.get(cfg.dataset, folder_size)
     values["augment"] = training_augment(cfg.augment, cfg.dataset)
+    resolve_crop_sizes(values)
     values["out"] = values["out"] or default_out_dir()
     check_writable_folder(values["out"], "--out")
     if values["log_dir"] is not None:
@@ -66,7 +67,46 @@ def resolve_train_config(cfg: TrainConfig, launcher: LauncherEnv | None) -> Trai
     resolved = TrainConfig(**values)
     # What --dry-run shows; every worker computes it again from the world it joined.
     world_size = launcher.world_size if launcher is not None else resolved.world_size
+    check_ra_reps(resolved.ra_reps, world_size)
     return resolved.model_copy(update={"peak_lr": resolved.peak_lr_at(world_size)})
+
+
+def resolve_crop_sizes(values: dict[str, Any]) -> None:
+    """FixRes' sizes (train at one side, validate at another), from --image-size by default:
+    validation resizes image folders to crop / 0.875 (256 for 224) as the references do."""
+    image_size = values["image_size"]
+    values["train_crop_size"] = values["train_crop_size"] or image_size
+    crop = values["val_crop_size"] = values["val_crop_size"] or image_size
+    folder = values["dataset"] == "imagefolder"
+    values["val_resize_size"] = values["val_resize_size"] or (resize_side(crop) if folder else crop)
+    if values["train_crop_size"] != image_size and values["augment"] != "rrc":
+        raise usage_error(
+            f"invalid --train-crop-size: it is the side of --augment rrc's random-resized crop; "
+            f"with --augment {values['augment']} training sees --image-size {image_size}: use "
+            "--augment rrc, or set --image-size instead"
+        )
+    if crop > values["val_resize_size"]:
+        raise usage_error(
+            f"invalid --val-crop-size: {crop} is larger than --val-resize-size "
+            f"{values['val_resize_size']}; the crop is cut from the resized image"
+        )
+    default_view = (resize_side(image_size), image_size)
+    view = (values["val_resize_size"], crop)
+    if folder and values["data_path"] == "device" and view != default_view:
+        raise usage_error(
+            "invalid --val-resize-size/--val-crop-size: the device path caches image folders' "
+            f"validation view at --image-size {image_size} (resize {default_view[0]}, crop "
+            f"{image_size}); use --data-path loader for other validation sizes"
+        )
+
+
+def check_ra_reps(ra_reps: int, world_size: int) -> None:
+    """Repeated augmentation shows each image on --ra-reps different ranks: it needs them."""
+    if ra_reps > world_size:
+        raise usage_error(
+            f"invalid --ra-reps: {ra_reps} copies of each image go to {ra_reps} different ranks, "
+            f"but the world has {world_size}; lower --ra-reps to {world_size} or add processes"
+        )
 
 
 def default_out_dir() -> Path:

@@ -32,14 +32,18 @@ from ddpcli.checkpoint.schema import (
 )
 from ddpcli.checkpoint.writer import CheckpointWriter, write_metrics_history
 from ddpcli.config import TrainConfig
+from ddpcli.data.mixing import BatchMixing, build_mixing
 from ddpcli.data.pipeline import DataPipeline
 from ddpcli.data.sets import SKIPPED_IMAGES_FILE
 from ddpcli.dist import DistContext, all_reduce_max, all_reduce_sum, barrier
+from ddpcli.ema import WeightAverage, adjusted_decay
 from ddpcli.errors import DdpcliError, runtime_error
 from ddpcli.models import build_model
+from ddpcli.param_groups import weight_decay_groups
 from ddpcli.steplog import StepLog
 from ddpcli.stopping import Interrupted, Preemption, stop_record
 from ddpcli.strategy import AUTOCAST_DTYPES, batch_split, model_devices, unwrap, wrap_model
+from ddpcli.syncbn import convert_sync_batchnorm
 from ddpcli.timing import synced_clock, synchronize
 
 TIMING_WARMUP_STEPS = 3  # the first steps pay for allocation and autotuning; not timed
@@ -51,6 +55,8 @@ TIMING_WARMUP_STEPS = 3  # the first steps pay for allocation and autotuning; no
 def build_parallel_model(cfg: TrainConfig, ctx: DistContext, num_classes: int) -> nn.Module:
     torch.manual_seed(cfg.seed)  # identical initial weights everywhere (DDP also broadcasts)
     model = build_model(cfg.resolved_arch, num_classes).to(ctx.device)
+    if cfg.sync_bn and ctx.distributed:
+        model = convert_sync_batchnorm(model, ctx.device)
     if ctx.device.type == "cuda":
         model = model.to(memory_format=torch.channels_last)
     return wrap_model(model, cfg, ctx)
@@ -58,15 +64,8 @@ def build_parallel_model(cfg: TrainConfig, ctx: DistContext, num_classes: int) -
 
 def build_optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
     """SGD at the run's peak rate: --lr scaled to the global batch (`peak_lr`)."""
-    # No weight decay on norms and biases: the usual recipe for BN nets.
-    decay: list[nn.Parameter] = []
-    no_decay: list[nn.Parameter] = []
-    for parameter in model.parameters():
-        (no_decay if parameter.ndim <= 1 else decay).append(parameter)
-    groups = [
-        {"params": decay, "weight_decay": cfg.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
+    # No weight decay on biases, and on norms only --norm-weight-decay: the BN-net recipe.
+    groups = weight_decay_groups(model, cfg.weight_decay, cfg.norm_weight_decay)
     # One fused kernel for the whole update, on GPUs and on the CPU alike: on the CPU
     # foreach is the slowest choice (measured in docs/performance.md).
     lr = cfg.resolved_peak_lr
@@ -147,7 +146,10 @@ class Trainer:
             self.optimizer, warmup_cosine(self.total_steps, self.warmup_steps)
         )
         self.scaler = torch.amp.GradScaler(ctx.device.type, enabled=cfg.precision == "fp16")
+        # Takes class indices, or the soft targets Mixup/CutMix make.
         self.loss_fn = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
+        self.mixing: BatchMixing | None = build_mixing(cfg, data.splits.num_classes)
+        self.ema = self.build_ema()
         self.state = TrainState()
         self.first_step_pending = True
         self.writer = CheckpointWriter(cfg, ctx)
@@ -157,9 +159,18 @@ class Trainer:
         self.steplog = StepLog(self.out, ctx.is_main, tensorboard=cfg.tensorboard)
         self.preemption = Preemption(cfg.preempt_signal, every_steps=cfg.log_every)
 
+    def build_ema(self) -> WeightAverage | None:
+        cfg = self.cfg
+        if not cfg.ema:
+            return None
+        decay = adjusted_decay(cfg.ema_decay, self.global_batch, cfg.ema_steps, cfg.epochs)
+        return WeightAverage(unwrap(self.model), decay, cfg.ema_steps, self.warmup_steps)
+
     # --- checkpoints
     def parts(self) -> TrainingParts:
-        return TrainingParts(unwrap(self.model), self.optimizer, self.scheduler, self.scaler)
+        return TrainingParts(
+            unwrap(self.model), self.optimizer, self.scheduler, self.scaler, self.ema
+        )
 
     def save_checkpoint(self, name: str, is_best: bool) -> None:
         """Callers check the weights first (check_weights): last.pt must stay a good one."""
@@ -288,6 +299,8 @@ class Trainer:
             f"strategy {cfg.strategy} · data path {self.data.path_name} · "
             f"compile {'on' if cfg.compile else 'off'}{self.split_note()}"
         )
+        if ingredients := ingredients_line(cfg, self.ema):
+            ui.info(ingredients)
         skipped = self.data.splits.skipped
         if skipped:
             ui.warn(
@@ -349,10 +362,13 @@ class Trainer:
             last_micro = state.batch_in_epoch == micro_total
             steps_now = state.batch_in_epoch % cfg.accumulate == 0 or last_micro
             accumulated = self.micro_batches_in_step(state.batch_in_epoch)
-            self.train_micro_step(images, labels, sums, steps_now, accumulated)
+            images, targets = self.mixed(images, labels)
+            self.train_micro_step(images, labels, sums, steps_now, accumulated, targets)
             timer.tick(len(labels))
             if steps_now:
                 state.step += 1
+                if self.ema is not None:
+                    self.ema.after_step(unwrap(self.model), state.step)
                 if self.first_step_pending:  # one device sync per run, for "time to first step"
                     first_step_at, self.first_step_pending = synced_time(ctx.device), False
                 self.after_optimizer_step(sums, progress, timer, last_micro)
@@ -363,7 +379,8 @@ class Trainer:
             state.partial_sums = totals
         train_loss, train_acc = means(totals)
         images_per_sec = timer.images_per_sec(ctx)
-        val_loss, val_acc, val_samples = self.validate()
+        val_loss, val_acc, val_samples = self.validate(unwrap(self.model))
+        ema_metrics = self.validate_ema()
         return {
             "epoch": state.epoch + 1,
             "step": state.step,
@@ -372,6 +389,7 @@ class Trainer:
             "val_loss": val_loss,
             "val_acc": val_acc,
             "val_samples": val_samples,
+            **ema_metrics,
             "images_per_sec": images_per_sec,
             "lr": self.scheduler.get_last_lr()[0],
             "peak_lr": cfg.peak_lr,
@@ -396,6 +414,16 @@ class Trainer:
             )
         return metrics
 
+    def mixed(
+        self, images: torch.Tensor, labels: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """With Mixup/CutMix: the mixed batch and its soft targets, drawn from (seed, epoch,
+        micro-batch, rank) alone; else the batch and its labels."""
+        if self.mixing is None:
+            return images, labels
+        key = self.state.batch_in_epoch * self.ctx.world_size + self.ctx.rank
+        return self.mixing(images, labels, self.state.epoch, key)
+
     def gradient_sync(self, steps_now: bool) -> AbstractContextManager[object]:
         """Gradients are all-reduced only on the micro-step that steps the optimizer."""
         if not steps_now and isinstance(self.model, DistributedDataParallel):
@@ -409,11 +437,13 @@ class Trainer:
         sums: torch.Tensor,
         steps_now: bool,
         accumulated: int,
+        targets: torch.Tensor,
     ) -> None:
+        """TARGETS: LABELS, or Mixup/CutMix's soft targets (accuracy counts LABELS)."""
         with self.gradient_sync(steps_now):
             with autocast_context(self.cfg, self.ctx):
                 logits = self.forward_model(images)
-                loss = self.loss_fn(logits, labels)
+                loss = self.loss_fn(logits, targets)
             self.scaler.scale(loss / accumulated).backward()
         with torch.no_grad():
             sums[0] += loss.detach().double() * len(labels)
@@ -502,11 +532,17 @@ class Trainer:
             f"{finding} {when} ({where}): training stopped; {kept}. Start again with {hint}"
         )
 
+    def validate_ema(self) -> dict[str, float]:
+        """The EMA weights validated beside the raw ones: `ema_val_loss`, `ema_val_acc`."""
+        if self.ema is None:
+            return {}
+        loss, acc, _ = self.validate(self.ema.module)
+        return {"ema_val_loss": loss, "ema_val_acc": acc}
+
     @torch.no_grad()
-    def validate(self) -> tuple[float, float, int]:
+    def validate(self, model: nn.Module) -> tuple[float, float, int]:
         """Every validation sample counted once: strided shards, no padding, one all_reduce.
-        The unwrapped module runs, so ranks with one batch fewer never wait on a collective."""
-        model = unwrap(self.model)
+        MODEL is unwrapped, so ranks with one batch fewer never wait on a collective."""
         model.eval()
         sums = torch.zeros(3, device=self.ctx.device, dtype=torch.float64)
         for images, labels in self.data.val_batches():
@@ -527,8 +563,7 @@ class Trainer:
         self.check_weights()
         state = self.state
         state.history.append(metrics)
-        is_best = metrics["val_acc"] > state.best_val_acc
-        state.best_val_acc = max(state.best_val_acc, metrics["val_acc"])
+        is_best = self.record_best(metrics)
         state.epoch += 1
         state.batch_in_epoch = 0
         if self.ctx.is_main:
@@ -539,6 +574,13 @@ class Trainer:
         self.save_checkpoint(f"epoch-{state.epoch:04d}.pt", is_best=is_best)
         barrier(self.ctx)
 
+    def record_best(self, metrics: dict[str, Any]) -> bool:
+        """best.pt follows the weights a user would deploy: the EMA's when --ema is on."""
+        accuracy = metrics.get("ema_val_acc", metrics["val_acc"])
+        is_best = accuracy > self.state.best_val_acc
+        self.state.best_val_acc = max(self.state.best_val_acc, accuracy)
+        return is_best
+
     def stop_inside_epoch(self, metrics: dict[str, Any]) -> None:
         """--max-steps (or a preemption) stopped the run inside an epoch. Its checkpoint holds
         the epoch, the batches done and the partial sums (as a --save-every-steps one does), so
@@ -547,8 +589,7 @@ class Trainer:
         self.check_weights()
         state = self.state
         metrics.update(partial=True, batch_in_epoch=state.batch_in_epoch)
-        is_best = metrics["val_acc"] > state.best_val_acc
-        state.best_val_acc = max(state.best_val_acc, metrics["val_acc"])
+        is_best = self.record_best(metrics)
         if self.ctx.is_main:
             with open(self.out / "metrics.jsonl", "a") as handle:
                 handle.write(ui.json_text(metrics) + "\n")
@@ -562,6 +603,26 @@ class Trainer:
             )  # fmt: skip
         self.save_checkpoint(f"step-{state.step:08d}.pt", is_best=is_best)
         state.partial_sums = None
+
+
+def ingredients_line(cfg: TrainConfig, ema: WeightAverage | None) -> str:
+    """`recipe: sync-bn · EMA every 32 steps, decay 0.99... · ...`: the ingredients on."""
+    parts = ["sync-bn"] if cfg.sync_bn else []
+    if ema is not None:
+        parts.append(f"EMA every {ema.every_steps} steps, decay {ema.decay:.6g} (adjusted)")
+    mixing = [f"{name} {alpha:g}" for name, alpha in
+              (("mixup", cfg.mixup_alpha), ("cutmix", cfg.cutmix_alpha)) if alpha]  # fmt: skip
+    if mixing:
+        parts.append(" / ".join(mixing))
+    if cfg.auto_augment != "none":
+        parts.append(cfg.auto_augment)
+    if cfg.random_erase:
+        parts.append(f"random erase {cfg.random_erase:g}")
+    if cfg.ra_reps > 1:
+        parts.append(f"ra-reps {cfg.ra_reps}")
+    if cfg.norm_weight_decay:
+        parts.append(f"norm weight decay {cfg.norm_weight_decay:g}")
+    return "recipe: " + " · ".join(parts) if parts else ""
 
 
 def means(totals: list[float]) -> tuple[float, float]:

@@ -59,9 +59,12 @@ def print_json(document: Any) -> None:
 
 
 def format_metrics(metrics: dict) -> str:
+    ema = ""
+    if metrics.get("ema_val_acc") is not None:  # --ema: the averaged weights beside the raw
+        ema = f" · EMA val acc {100 * metrics['ema_val_acc']:.2f}%"
     return (
         f"train loss {metrics['train_loss']:.4f} · val loss {metrics['val_loss']:.4f} · "
-        f"val acc {100 * metrics['val_acc']:.2f}% · {metrics['images_per_sec']:.0f} img/s"
+        f"val acc {100 * metrics['val_acc']:.2f}%{ema} · {metrics['images_per_sec']:.0f} img/s"
     )
 
 

@@ -33,7 +33,9 @@ TRAINING_KEYS = (
 RESULT_SETTINGS = (
     "arch", "dataset", "image_size", "synthetic_size", "epochs", "per_gpu_batch", "accumulate",
     "lr", "lr_base_batch", "lr_scaling", "momentum", "weight_decay", "warmup_epochs",
-    "label_smoothing", "seed", "precision", "augment",
+    "label_smoothing", "seed", "precision", "augment", "norm_weight_decay", "sync_bn", "ema",
+    "ema_decay", "ema_steps", "mixup_alpha", "cutmix_alpha", "auto_augment", "random_erase",
+    "ra_reps", "train_crop_size", "val_resize_size", "val_crop_size",
 )  # fmt: skip
 
 
@@ -57,6 +59,7 @@ class TrainingParts:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     scaler: torch.amp.GradScaler
+    ema: Any = None  # ddpcli.ema.WeightAverage with --ema: its averaged weights are saved too
 
 
 def training_payload(
@@ -69,6 +72,7 @@ def training_payload(
         "optimizer": parts.optimizer.state_dict(),
         "scheduler": parts.scheduler.state_dict(),
         "scaler": parts.scaler.state_dict() if parts.scaler.is_enabled() else None,
+        "ema": parts.ema.state_dict() if parts.ema is not None else None,
         "epoch": state.epoch,
         "batch_in_epoch": state.batch_in_epoch,
         "step": state.step,
@@ -92,6 +96,8 @@ def restore_training(
     parts.scheduler.load_state_dict(payload["scheduler"])
     if payload.get("scaler"):
         parts.scaler.load_state_dict(payload["scaler"])
+    if parts.ema is not None:
+        parts.ema.load_state_dict(payload.get("ema"), parts.model)
     if payload["world_size"] == ctx.world_size:
         restore_rng_state(payload["rng"][ctx.rank])
     return TrainState(

@@ -22,6 +22,7 @@ MODEL = "Model and optimisation"
 PROCS = "Processes and devices"
 NODES = "Multi-node"
 OUTPUT = "Outputs and checkpoints"
+RECIPE = "Recipe ingredients (docs/train.md)"
 
 
 def train_option(
@@ -235,6 +236,56 @@ def train(
             "rank: all ranks save a checkpoint within --log-every steps and stop (exit 1).",
             OUTPUT,
         ),
+    ] = None,
+    sync_bn: Annotated[bool | None, train_option("sync_bn", panel=RECIPE)] = None,
+    ema: Annotated[bool | None, train_option("ema", panel=RECIPE)] = None,
+    ema_decay: Annotated[
+        float | None,
+        train_option(
+            "ema_decay",
+            "EMA decay, adjusted as torchvision's reference does: 1 - (1 - F) x global batch x "
+            "--ema-steps / --epochs.",
+            RECIPE,
+        ),
+    ] = None,
+    ema_steps: Annotated[int | None, train_option("ema_steps", panel=RECIPE)] = None,
+    mixup_alpha: Annotated[float | None, train_option("mixup_alpha", panel=RECIPE)] = None,
+    cutmix_alpha: Annotated[
+        float | None,
+        train_option(
+            "cutmix_alpha",
+            "CutMix's Beta(alpha, alpha); 0: off. With --mixup-alpha too, one of the two per "
+            "batch; the loss takes the mixed (soft) targets.",
+            RECIPE,
+        ),
+    ] = None,
+    auto_augment: Annotated[str | None, train_option("auto_augment", panel=RECIPE)] = None,
+    random_erase: Annotated[float | None, train_option("random_erase", panel=RECIPE)] = None,
+    ra_reps: Annotated[int | None, train_option("ra_reps", panel=RECIPE)] = None,
+    train_crop_size: Annotated[
+        int | None,
+        train_option(
+            "train_crop_size",
+            "Side of the random-resized crop that training sees (--augment rrc).",
+            RECIPE,
+            default="--image-size",
+        ),
+    ] = None,
+    val_resize_size: Annotated[
+        int | None,
+        train_option(
+            "val_resize_size",
+            "Validation: shorter side resized to N, then the centre crop.",
+            RECIPE,
+            default="--val-crop-size / 0.875 for image folders; the crop for synthetic/stl10",
+        ),
+    ] = None,
+    val_crop_size: Annotated[
+        int | None,
+        train_option("val_crop_size", "Validation's centre crop.", RECIPE, default="--image-size"),
+    ] = None,
+    norm_weight_decay: Annotated[
+        float | None, train_option("norm_weight_decay", panel=RECIPE)
     ] = None,
     dry_run: Annotated[
         bool, typer.Option("--dry-run", help="Print the resolved config and exit.")

@@ -97,6 +97,26 @@ class TrainConfig(BaseModel):
         "before training to find them",
     )
     augment: Literal["auto", "rrc", "crop-flip", "none"] = "auto"
+    # the modern recipe's input side (docs/train.md, "The modern recipe")
+    auto_augment: Literal["ta_wide", "randaugment", "autoaugment", "none"] = Field(
+        "none",
+        description="a torchvision policy on each training image after its crop: "
+        "TrivialAugmentWide, RandAugment or AutoAugment (ImageNet)",
+    )
+    random_erase: float = Field(
+        0.0, ge=0, le=1, description="probability of erasing a random box of each training image"
+    )
+    mixup_alpha: float = Field(0.0, ge=0, description="Mixup's Beta(alpha, alpha); 0: off")
+    cutmix_alpha: float = Field(0.0, ge=0, description="CutMix's Beta(alpha, alpha); 0: off")
+    ra_reps: int = Field(
+        1,
+        ge=1,
+        description="repeated augmentation: each image on this many ranks per epoch, each "
+        "with its own augmentation; 1: off",
+    )
+    train_crop_size: int | None = Field(None, ge=8, le=1024)
+    val_resize_size: int | None = Field(None, ge=8, le=2048)
+    val_crop_size: int | None = Field(None, ge=8, le=1024)
     # model and optimisation
     arch: str | None = None
     epochs: int = Field(5, ge=1)
@@ -109,6 +129,23 @@ class TrainConfig(BaseModel):
     weight_decay: float = Field(5e-4, ge=0)
     warmup_epochs: float = Field(1.0, ge=0)
     label_smoothing: float = Field(0.0, ge=0, lt=1)
+    norm_weight_decay: float = Field(
+        0.0, ge=0, description="weight decay of normalisation layers' weights and biases"
+    )
+    sync_bn: bool = Field(
+        False, description="BatchNorm statistics over the global batch (all ranks)"
+    )
+    ema: bool = Field(
+        False,
+        description="keep an exponential moving average of the weights, validated beside them",
+    )
+    ema_decay: float = Field(
+        0.99998,
+        gt=0,
+        lt=1,
+        description="EMA decay per update at global batch x --ema-steps / --epochs = 1",
+    )
+    ema_steps: int = Field(32, ge=1, description="optimizer steps between EMA updates")
     seed: int = Field(0, ge=0)
     precision: Precision = "auto"
     compile: bool = False
@@ -202,6 +239,11 @@ class TrainConfig(BaseModel):
             raise ValueError(f"invalid --data-dir: --dataset {self.dataset} needs --data-dir DIR")
         if self.strategy == "balanced-dp" and self.gpu0_batch is None:
             raise ValueError("invalid --gpu0-batch: --strategy balanced-dp needs --gpu0-batch N")
+        if self.sync_bn and self.strategy != "ddp":
+            raise ValueError(
+                f"invalid --sync-bn: it synchronises DDP ranks; --strategy {self.strategy} is one "
+                "process (use --strategy ddp)"
+            )
         if self.overwrite and self.resume == "auto":
             raise ValueError(
                 "invalid --overwrite: it clears --out's earlier run, and --resume auto "
@@ -262,6 +304,15 @@ class TrainConfig(BaseModel):
         if self.data_dir is None:
             raise RuntimeError(f"TrainConfig.data_dir read, but --dataset {self.dataset} has none")
         return self.data_dir
+
+    @property
+    def resolved_train_crop_size(self) -> int:
+        """The side training batches have: --train-crop-size, else --image-size."""
+        return self.train_crop_size or self.resolved_image_size
+
+    @property
+    def resolved_val_crop_size(self) -> int:
+        return self.val_crop_size or self.resolved_image_size
 
     @property
     def resolved_lr(self) -> float:

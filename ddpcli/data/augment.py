@@ -78,6 +78,19 @@ def _rehash(hashes: torch.Tensor, rounds: int) -> torch.Tensor:
     return _mix(hashes.view(-1, 1) + steps)
 
 
+# Independent streams of draws from one (seed, epoch, index): each ingredient its own, so
+# switching one on never moves another's draws.
+STREAM_AUTO_AUGMENT, STREAM_ERASE, STREAM_MIXING = 101, 102, 103
+
+
+def stream_seeds(seed: int, epoch: int, indices: torch.Tensor, stream: int) -> list[int]:
+    """One non-negative 63-bit seed per index for STREAM: what seeds torch's generator
+    around a torchvision transform, so its draws are a pure function of (seed, epoch, index)."""
+    offset = _signed((stream * 0x9E3779B97F4A7C15) & _MASK64)  # int64 wraps as uint64 would
+    hashes = _mix(sample_hash(seed, epoch, indices.cpu()) + offset)
+    return (hashes & ((1 << 63) - 1)).tolist()
+
+
 def _unit_pair(words: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Two uniforms in [0, 1) (float64) from each 64-bit word: its high and low 32 bits."""
     scale = 2.0**-32

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +21,7 @@ from ddpcli.data.augment import (
     resample_with_maps,
     resized_crop_boxes,
 )
+from ddpcli.data.autoaugment import auto_augment_images
 from ddpcli.data.sets import ImageSet
 
 
@@ -43,9 +45,12 @@ class DeviceResidentBatches:
         channels_last: bool = False,
         drop_last: bool = False,
         image_size: int | None = None,
+        auto_augment: Any = None,
     ):
         """`image_size`: the side of the batches, where the set holds its images at another
-        (image folders kept whole for `rrc`); by default the set's own."""
+        (image folders kept whole for `rrc`, --train-crop-size); by default the set's own.
+        `indices` are keys (ddpcli.data.ra_sampler): image `key % len(images)`, its draws
+        keyed by the key. `auto_augment`: a torchvision policy applied after the crop."""
         self.images = images.images.to(device)  # no copy when the pipeline already moved them
         self.labels = images.labels.to(device)
         self.image_size = image_size or images.images.shape[-1]
@@ -57,20 +62,23 @@ class DeviceResidentBatches:
         self.seed, self.epoch = seed, epoch
         self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
         self.drop_last = drop_last
+        self.auto_augment = auto_augment
         # Everything a batch needs from the host crosses once per epoch, here. A per-batch
         # copy of pageable memory waits for the whole device stream, so the CPU could never
         # queue the next step while the device runs this one.
-        cpu_indices = torch.tensor(indices, dtype=torch.long)
-        self.indices = cpu_indices.to(device)
-        self.crop_maps = self._crop_maps(images, cpu_indices) if augment == "rrc" else None
+        self.cpu_keys = torch.tensor(indices, dtype=torch.long)
+        self.indices = self.cpu_keys.to(device)
+        self.rows = (self.cpu_keys % len(images)).to(device)
+        self.crop_maps = self._crop_maps(images, self.cpu_keys) if augment == "rrc" else None
 
-    def _crop_maps(self, images: ImageSet, indices: torch.Tensor) -> torch.Tensor:
+    def _crop_maps(self, images: ImageSet, keys: torch.Tensor) -> torch.Tensor:
         """Every sample's random-resized-crop box for the epoch, drawn on the CPU from its
         decoded size, as grid_sample maps on the device."""
         stored = torch.tensor(images.images.shape[-2:])
         sizes = stored.expand(len(images), 2) if images.sizes is None else images.sizes.cpu()
-        heights, widths = sizes[indices, 0], sizes[indices, 1]
-        boxes = resized_crop_boxes(self.seed, self.epoch, indices, heights, widths)
+        rows = keys % len(images)
+        heights, widths = sizes[rows, 0], sizes[rows, 1]
+        boxes = resized_crop_boxes(self.seed, self.epoch, keys, heights, widths)
         return box_sampling_maps(boxes, heights, widths).to(self.device)
 
     def __len__(self) -> int:
@@ -80,13 +88,20 @@ class DeviceResidentBatches:
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         for start in range(0, len(self) * self.batch_size, self.batch_size):
-            batch = self.indices[start : start + self.batch_size]
+            keys = self.indices[start : start + self.batch_size]
+            batch = self.rows[start : start + self.batch_size]
             images = self.images[batch]
             if self.crop_maps is not None:
                 maps = self.crop_maps[start : start + self.batch_size]
                 images = resample_with_maps(images, maps, self.image_size)
             elif self.augment == "crop-flip":
-                images = self._crop_and_flip(images, batch)
+                images = self._crop_and_flip(images, keys)
+            if self.auto_augment is not None:  # torchvision's policies take uint8 pixels
+                pixels = images.round().clamp_(0, 255).to(torch.uint8)
+                cpu_keys = self.cpu_keys[start : start + self.batch_size]
+                images = auto_augment_images(
+                    pixels, cpu_keys, self.seed, self.epoch, self.auto_augment
+                )
             images = (images.float().div_(255) - self.mean) / self.std
             yield images.contiguous(memory_format=self.memory_format), self.labels[batch]
 

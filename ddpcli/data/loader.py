@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import abc
 import os
+from typing import Any
 
 import torch
 
 from ddpcli.data.augment import Augment, crop_and_flip_one, resized_crop_one
-from ddpcli.data.sets import ImageSet, Sample, centre_view, read_rgb
+from ddpcli.data.autoaugment import auto_augment_images
+from ddpcli.data.sets import ImageSet, Sample, centre_view_at, read_rgb, resize_side
 
 
 class KeyedImages(torch.utils.data.Dataset, abc.ABC):
@@ -19,8 +21,19 @@ class KeyedImages(torch.utils.data.Dataset, abc.ABC):
     persist across epochs, so the epoch travels with each index instead of living in a
     copy of the dataset that the workers would never see change."""
 
-    def __init__(self, seed: int, augment: Augment, image_size: int):
+    def __init__(
+        self,
+        seed: int,
+        augment: Augment,
+        image_size: int,
+        crop_size: int | None = None,
+        auto_augment: Any = None,
+    ):
+        """CROP_SIZE: the side of `rrc`'s crops (--train-crop-size), IMAGE_SIZE by default;
+        AUTO_AUGMENT: a torchvision policy applied after the crop."""
         self.seed, self.augment, self.image_size = seed, augment, image_size
+        self.crop_size = crop_size or image_size
+        self.auto_augment = auto_augment
 
     @abc.abstractmethod
     def __len__(self) -> int:
@@ -35,21 +48,27 @@ class KeyedImages(torch.utils.data.Dataset, abc.ABC):
         return image
 
     def __getitem__(self, key: tuple[int, int]) -> tuple[torch.Tensor, int]:
+        """KEY: (sample key, epoch); the key names the image `key % len(self)` and keys its
+        draws (ddpcli.data.ra_sampler: copies of one image are augmented differently)."""
         index, epoch = key
-        image, label = self.load(index)
+        image, label = self.load(index % len(self))
         if self.augment == "rrc":  # cut from the image as decoded, not from a centre view
-            return resized_crop_one(image, index, self.seed, epoch, self.image_size), label
-        image = self.centred(image)
-        if self.augment == "crop-flip":
-            image = crop_and_flip_one(image, index, self.seed, epoch)
+            image = resized_crop_one(image, index, self.seed, epoch, self.crop_size)
+        else:
+            image = self.centred(image)
+            if self.augment == "crop-flip":
+                image = crop_and_flip_one(image, index, self.seed, epoch)
+        if self.auto_augment is not None:
+            keys = torch.tensor([index])
+            image = auto_augment_images(image[None], keys, self.seed, epoch, self.auto_augment)[0]
         return image, label
 
 
 class MemoryDataset(KeyedImages):
     """An in-memory ImageSet served through the DataLoader (`--data-path loader`)."""
 
-    def __init__(self, image_set: ImageSet, seed: int, augment: Augment):
-        super().__init__(seed, augment, image_set.images.shape[-1])
+    def __init__(self, image_set: ImageSet, seed: int, augment: Augment, **recipe: Any):
+        super().__init__(seed, augment, image_set.images.shape[-1], **recipe)
         self.image_set = image_set
 
     def __len__(self) -> int:
@@ -64,9 +83,20 @@ class FolderDataset(KeyedImages):
     that cannot be decoded ends the run with UnreadableImage, naming it (--skip-bad-images
     leaves such files out of `samples` before training: ddpcli.data.sets.drop_unreadable)."""
 
-    def __init__(self, samples: list[Sample], image_size: int, seed: int, augment: Augment):
-        super().__init__(seed, augment, image_size)
+    def __init__(
+        self,
+        samples: list[Sample],
+        image_size: int,
+        seed: int,
+        augment: Augment,
+        view: tuple[int, int] | None = None,
+        **recipe: Any,
+    ):
+        """VIEW: (resize, crop) of the centred view, validation's (--val-resize-size,
+        --val-crop-size); by default the training view's at IMAGE_SIZE."""
+        super().__init__(seed, augment, image_size, **recipe)
         self.samples = samples
+        self.view = view or (resize_side(image_size), image_size)
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -76,7 +106,7 @@ class FolderDataset(KeyedImages):
         return read_rgb(path), label
 
     def centred(self, image: torch.Tensor) -> torch.Tensor:
-        return centre_view(image, self.image_size)
+        return centre_view_at(image, *self.view)
 
 
 class ShardSampler(torch.utils.data.Sampler):

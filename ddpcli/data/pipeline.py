@@ -18,7 +18,9 @@ from torch.utils.data import DistributedSampler
 
 from ddpcli.config import TrainConfig
 from ddpcli.data.augment import Augment, training_augment
+from ddpcli.data.autoaugment import policy_transform
 from ddpcli.data.device import DeviceResidentBatches
+from ddpcli.data.erasing import ErasedBatches
 from ddpcli.data.loader import (
     FolderDataset,
     KeyedImages,
@@ -26,7 +28,15 @@ from ddpcli.data.loader import (
     MemoryDataset,
     default_workers,
 )
-from ddpcli.data.sets import FolderSplits, ImageSet, MemorySplits, Splits
+from ddpcli.data.ra_sampler import repeated_shard
+from ddpcli.data.sets import (
+    FolderSplits,
+    ImageSet,
+    MemorySplits,
+    Splits,
+    resize_side,
+    view_set,
+)
 from ddpcli.dist import DistContext
 from ddpcli.errors import usage_error
 
@@ -98,6 +108,11 @@ class DataPipeline:
         self.ctx = ctx
         self.channels_last = ctx.device.type == "cuda"
         self.augment = training_augment(cfg.augment, cfg.dataset)
+        self.auto_augment = policy_transform(cfg.auto_augment)
+        self.crop_size = cfg.resolved_train_crop_size
+        if isinstance(splits, MemorySplits) and cfg.dataset != "imagefolder":
+            crop = cfg.resolved_val_crop_size
+            splits.val = view_set(splits.val, cfg.val_resize_size or crop, crop)
         # Only a set held in memory can be moved onto the device; a streamed folder cannot.
         self.device_resident = device_resident and isinstance(splits, MemorySplits)
         if isinstance(splits, MemorySplits) and cfg.dataset != "imagefolder":
@@ -115,7 +130,7 @@ class DataPipeline:
             self._hold_on_device(splits)
         else:
             self._start_loaders(
-                MemoryDataset(splits.train, cfg.seed, self.augment),
+                MemoryDataset(splits.train, cfg.seed, self.augment, **self.recipe()),
                 MemoryDataset(splits.val, cfg.seed, "none"),
             )
         self._check_one_batch()
@@ -128,11 +143,17 @@ class DataPipeline:
         splits.val = self.val_set = on_device(splits.val, self.ctx.device)
         self.train_size, self.val_size = len(splits.train), len(splits.val)
 
+    def recipe(self) -> dict:
+        """The training set's share of the recipe: its crop side and policy."""
+        return {"crop_size": self.crop_size, "auto_augment": self.auto_augment}
+
     def _stream_folders(self, splits: FolderSplits) -> None:
-        size, seed = self.cfg.resolved_image_size, self.cfg.seed
+        cfg = self.cfg
+        size, seed, crop = cfg.resolved_image_size, cfg.seed, cfg.resolved_val_crop_size
+        view = (cfg.val_resize_size or resize_side(crop), crop)
         self._start_loaders(
-            FolderDataset(splits.train_samples, size, seed, self.augment),
-            FolderDataset(splits.val_samples, size, seed, "none"),
+            FolderDataset(splits.train_samples, size, seed, self.augment, **self.recipe()),
+            FolderDataset(splits.val_samples, size, seed, "none", view=view),
         )
 
     def _start_loaders(self, train: KeyedImages, val: KeyedImages) -> None:
@@ -181,21 +202,38 @@ class DataPipeline:
             train = f"{size} train images, {trained} per epoch ({repeated})"
         else:
             train = f"{size} train images per epoch"
+        if self.cfg.ra_reps > 1:  # the epoch keeps its length: fewer images, repeated
+            reps = self.cfg.ra_reps
+            train += f" (--ra-reps {reps}: about {trained // reps} distinct, each on {reps} ranks)"
         return f"{train} / {self.val_size} val images"
 
     def train_batches(self, epoch: int, skip_batches: int = 0):
         """The epoch's order depends only on seed and epoch; a resume skips by position."""
-        indices = train_shard(self.train_size, self.ctx, self.cfg.seed, epoch)
-        indices = indices[skip_batches * self.cfg.per_gpu_batch :]
+        indices = self.epoch_keys(epoch)[skip_batches * self.cfg.per_gpu_batch :]
         if self.device_resident:
             batches = self._device_batches(
-                self.train_set, indices, self.augment, epoch, drop_last=True
+                self.train_set, indices, self.augment, epoch, True, self.auto_augment
             )
         else:
             batches = self.train_loader.for_epoch(indices, epoch)
+        if self.cfg.random_erase > 0:
+            batches = ErasedBatches(
+                batches, indices, self.cfg.per_gpu_batch, self.cfg.seed, epoch,
+                self.cfg.random_erase,
+            )  # fmt: skip
         if self.trace_file:
             return TracedBatches(batches, indices, self.cfg.per_gpu_batch, self.trace_file, epoch)
         return batches
+
+    def epoch_keys(self, epoch: int) -> list[int]:
+        """This rank's sample keys for EPOCH: DistributedSampler's shard, or with --ra-reps
+        the repeated-augmentation one (keys beyond the set name further copies)."""
+        cfg, ctx = self.cfg, self.ctx
+        if cfg.ra_reps > 1:
+            return repeated_shard(
+                self.train_size, ctx.world_size, ctx.rank, cfg.seed, epoch, cfg.ra_reps
+            )
+        return train_shard(self.train_size, ctx, cfg.seed, epoch)
 
     def val_batches(self):
         indices = val_shard(self.val_size, self.ctx)
@@ -204,10 +242,16 @@ class DataPipeline:
         return self.val_loader.for_epoch(indices, 0)
 
     def _device_batches(
-        self, image_set: ImageSet, indices, augment: Augment, epoch: int, drop_last: bool
+        self,
+        image_set: ImageSet,
+        indices,
+        augment: Augment,
+        epoch: int,
+        drop_last: bool,
+        auto_augment=None,
     ):
         return DeviceResidentBatches(
             image_set, indices, self.cfg.per_gpu_batch, self.ctx.device, self.mean, self.std,
-            augment, self.cfg.seed, epoch, self.channels_last, drop_last,
-            self.cfg.resolved_image_size,
+            augment, self.cfg.seed, epoch, self.channels_last, drop_last, self.crop_size,
+            auto_augment,
         )  # fmt: skip

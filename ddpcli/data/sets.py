@@ -246,10 +246,16 @@ def resize_side(image_size: int) -> int:
 
 def centre_view(image: torch.Tensor, image_size: int) -> torch.Tensor:
     """Validation's view of an image folder's image (and crop-flip's before it crops)."""
+    return centre_view_at(image, resize_side(image_size), image_size)
+
+
+def centre_view_at(image: torch.Tensor, resize: int, crop: int) -> torch.Tensor:
+    """The shorter side resized to RESIZE, then the centre CROP x CROP (torchvision's
+    reference evaluation: --val-resize-size, --val-crop-size)."""
     from torchvision.transforms.v2 import functional as TF
 
-    image = TF.resize(image, resize_side(image_size), antialias=True)
-    return TF.center_crop(image, [image_size, image_size])
+    image = TF.resize(image, resize, antialias=True)
+    return TF.center_crop(image, [crop, crop])
 
 
 def whole_view(image: torch.Tensor, image_size: int) -> torch.Tensor:
@@ -439,6 +445,15 @@ def resize_set(image_set: ImageSet, image_size: int) -> ImageSet:
         image_set.images.float(), size=image_size, mode="bilinear", antialias=True
     )
     return ImageSet(resized.round().clamp(0, 255).to(torch.uint8), image_set.labels)
+
+
+def view_set(image_set: ImageSet, resize: int, crop: int) -> ImageSet:
+    """An in-memory split seen as validation sees it: the shorter side resized to RESIZE
+    and the centre CROP, done once (--val-resize-size, --val-crop-size)."""
+    if image_set.images.shape[-2:] == (resize, resize) and resize == crop:
+        return image_set
+    images = torch.stack([centre_view_at(image, resize, crop) for image in image_set.images])
+    return ImageSet(images, image_set.labels)
 
 
 # --- Loading and checking, as the run asks ------------------------------------------

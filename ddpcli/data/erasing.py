@@ -1,0 +1,56 @@
+"""--random-erase P: torchvision.transforms.v2's RandomErasing on each normalised training
+image (value 0, the mean colour, as in torchvision's reference where it follows Normalize).
+
+Each image's draws (whether to erase, the box) come from a forked generator seeded from
+(seed, epoch, key), so they are a pure function of them on either data path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import torch
+
+from ddpcli.data.augment import STREAM_ERASE, stream_seeds
+
+
+def erase_images(
+    images: torch.Tensor, keys: torch.Tensor, seed: int, epoch: int, probability: float
+) -> torch.Tensor:
+    """float (N, 3, H, W), each image erased (or not) by its own draws; a new tensor."""
+    from torchvision.transforms import v2
+
+    eraser = v2.RandomErasing(p=probability, value=0)
+    seeds = stream_seeds(seed, epoch, keys, STREAM_ERASE)
+    with torch.random.fork_rng(devices=[]):
+        erased = []
+        for image, image_seed in zip(images, seeds, strict=True):
+            torch.manual_seed(image_seed)
+            erased.append(eraser(image))
+    return torch.stack(erased)
+
+
+class ErasedBatches:
+    """Training batches with random erasing, each image keyed by its entry in KEYS (the
+    epoch's keys for this rank, in batch order)."""
+
+    def __init__(self, batches, keys: list[int], batch_size: int, seed: int, epoch: int, p: float):
+        self.batches, self.keys, self.batch_size = batches, keys, batch_size
+        self.seed, self.epoch, self.probability = seed, epoch, p
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        batches: Iterable[tuple[torch.Tensor, torch.Tensor]] = self.batches
+        for position, (images, labels) in enumerate(batches):
+            start = position * self.batch_size
+            keys = torch.tensor(self.keys[start : start + len(labels)])
+            erased = erase_images(images, keys, self.seed, self.epoch, self.probability)
+            yield erased.contiguous(memory_format=suggested_format(images)), labels
+
+
+def suggested_format(images: torch.Tensor) -> torch.memory_format:
+    if images.is_contiguous(memory_format=torch.channels_last) and not images.is_contiguous():
+        return torch.channels_last
+    return torch.contiguous_format
