@@ -68,7 +68,9 @@ def launch_train(cfg: TrainConfig, debug: bool = False) -> dict[str, Any]:
             if draws:
                 draw_curves_after_stop(cfg.resolved_out)
             raise
-        if draws and (picture := draw_curves(cfg.resolved_out)):
+        if draws and summary.get("stopped"):  # Ctrl-C or a preemption, said by the workers
+            draw_curves_after_stop(cfg.resolved_out)
+        elif draws and (picture := draw_curves(cfg.resolved_out)):
             summary["curves"] = str(picture)
         return summary
 
