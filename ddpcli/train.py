@@ -48,7 +48,7 @@ TIMING_WARMUP_STEPS = 3  # the first steps pay for allocation and autotuning; no
 
 def build_parallel_model(cfg: TrainConfig, ctx: DistContext, num_classes: int) -> nn.Module:
     torch.manual_seed(cfg.seed)  # identical initial weights everywhere (DDP also broadcasts)
-    model = build_model(cfg.resolved_arch, num_classes).to(ctx.device)
+    model = build_model(cfg.resolved_arch, num_classes, cfg.model_args).to(ctx.device)
     if ctx.device.type == "cuda":
         model = model.to(memory_format=torch.channels_last)
     return wrap_model(model, cfg, ctx)

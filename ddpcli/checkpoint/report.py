@@ -19,6 +19,7 @@ from ddpcli.checkpoint.loading import (
 )
 from ddpcli.checkpoint.schema import FORMAT, TRAINING_KEYS, checkpoint_kind, weights_only_payload
 from ddpcli.errors import first_line, runtime_error, usage_error
+from ddpcli.factories import is_factory_spec, parse_factory_spec
 from ddpcli.files import atomic_save, digest_status, folder_write_problem, sha256_path
 
 BATCHNORM_STATISTICS = ("running_mean", "running_var", "num_batches_tracked")
@@ -288,7 +289,10 @@ def load_hint(arch: str | None, num_classes: int | None, out: Path, nested: bool
     from ddpcli.models import BUILTIN_MODELS
 
     state = f"torch.load({str(out)!r}, weights_only=True)" + ('["model"]' if nested else "")
-    if arch in BUILTIN_MODELS:
+    if arch and is_factory_spec(arch):  # the user's own factory: their import, their call
+        spec = parse_factory_spec(arch, "--arch")
+        model = f"{spec.source}:{spec.attribute}(num_classes={num_classes or 'N'}, **model_args)"
+    elif arch in BUILTIN_MODELS:
         model = f"ddpcli.models.build_model({arch!r}, num_classes={num_classes})"
     else:
         model = f"torchvision.models.{arch or 'ARCH'}(num_classes={num_classes or 'N'})"

@@ -22,10 +22,14 @@ OUTPUT = "Outputs and checkpoints"
 
 
 def train_option(
-    name: str, help: str | None = None, panel: str | None = None, default: str | None = None
+    name: str,
+    help: str | None = None,
+    panel: str | None = None,
+    default: str | None = None,
+    metavar: str | None = None,
 ) -> Any:
     """`--NAME` for TrainConfig's field NAME: help shows its default (or DEFAULT, in words)."""
-    return setting(TrainConfig, name, help, panel=panel, default=default)
+    return setting(TrainConfig, name, help, panel=panel, default=default, metavar=metavar)
 
 
 @app.command(no_args_is_help=False)
@@ -82,9 +86,22 @@ def train(
         str | None,
         train_option(
             "arch",
-            "torchvision model name or smallcnn/tinycnn.",
+            "torchvision model name, smallcnn/tinycnn, timm:NAME (needs timm), or your own "
+            "model: pkg.module:factory, pkg.module.factory or path/to/file.py:factory, called "
+            "with num_classes= and the --model-arg keywords (docs/custom.md).",
             MODEL,
             default="resnet18 on GPUs, smallcnn on the CPU",
+        ),
+    ] = None,
+    model_args: Annotated[
+        list[str] | None,
+        option(
+            "KEY=VALUE passed to the model's constructor; VALUE is read as TOML (4, 0.5, "
+            "true, [1,2]), else as a string. Repeatable.",
+            panel=MODEL,
+            default="none",
+            metavar="KEY=VALUE",
+            decls=("--model-arg",),
         ),
     ] = None,
     epochs: Annotated[int | None, train_option("epochs", panel=MODEL)] = None,
@@ -237,6 +254,8 @@ def train(
         for key, value in locals().items()
         if key not in ("recipe", "dry_run", "json_output")
     }
+    if not model_args:  # Typer gives [] for a repeatable flag not given: a recipe's stands
+        flags["model_args"] = None
 
     def action() -> None:
         from ddpcli.config import build_train_config
@@ -251,8 +270,11 @@ def train(
             cfg = resolve_train_config(cfg, launcher)
         except DdpcliError as error:  # name where each setting it names came from
             raise with_origins(error, train_setting_origins(flags, recipe)) from None
+        from ddpcli.preflight import preflight
+
+        built = preflight(cfg)  # the user's own code runs here first: exit 2 before workers
         if dry_run:
-            show_config(cfg, json_output)
+            show_config(cfg, json_output, built)
             return
         from ddpcli.checkpoint.schema import check_resume_source
         from ddpcli.launch import launch_train
@@ -266,9 +288,9 @@ def train(
     run_command(action)
 
 
-def show_config(cfg, json_output: bool) -> None:
+def show_config(cfg, json_output: bool, built: dict | None = None) -> None:
     document = cfg.model_dump(mode="json")
-    document.update(world_size=cfg.world_size, global_batch=cfg.global_batch)
+    document.update(world_size=cfg.world_size, global_batch=cfg.global_batch, **(built or {}))
     if json_output:
         ui.print_json(document)
         return

@@ -13,9 +13,9 @@ import re
 import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 from ddpcli.archs import BUILTIN_ARCHS
 from ddpcli.config.common import (
@@ -77,6 +77,35 @@ def describe_lr(lr: float, global_batch: int, base_batch: int, rule: LrScaling) 
     return f"lr {lr:g} per {base_batch} images -> {peak:g} at global batch {global_batch} ({rule})"
 
 
+def toml_value(text: str) -> Any:
+    """`4` -> 4, `0.5` -> 0.5, `true` -> True, `[1, 2]` -> [1, 2], `"relu"` -> "relu"; text
+    that is not a TOML value (`relu`) is taken as the string it is."""
+    try:
+        return tomllib.loads(f"value = {text.strip()}")["value"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def parse_model_args(value: Any) -> Any:
+    """`--model-arg KEY=VALUE`, repeatable, as a dict; a recipe may give the table itself."""
+    if not isinstance(value, (list, tuple)):
+        return value
+    parsed: dict[str, Any] = {}
+    for item in value:
+        key, equals, text = str(item).partition("=")
+        key = key.strip()
+        if not equals or not key.isidentifier():
+            raise ValueError("give KEY=VALUE with KEY a keyword of the factory, e.g. depth=4")
+        if key in parsed:
+            raise ValueError(f"{key} is given twice; keep one")
+        parsed[key] = toml_value(text)
+    return parsed
+
+
+# `--model-arg depth=4 --model-arg act=relu`: keywords for the model's constructor.
+ModelArgs = Annotated[dict[str, Any], BeforeValidator(parse_model_args)]
+
+
 class TrainConfig(BaseModel):
     """Everything `ddpcli train` needs. Field names are the flags with `_` for `-`."""
 
@@ -99,6 +128,7 @@ class TrainConfig(BaseModel):
     augment: Literal["auto", "rrc", "crop-flip", "none"] = "auto"
     # model and optimisation
     arch: str | None = None
+    model_args: ModelArgs = Field(default_factory=dict)
     epochs: int = Field(5, ge=1)
     per_gpu_batch: int = Field(64, ge=1)
     accumulate: int = Field(1, ge=1)
@@ -160,6 +190,13 @@ class TrainConfig(BaseModel):
         if re.fullmatch(r"file:///\S+", value):
             return value
         raise ValueError("use env://, tcp://HOST:PORT or file:///ABSOLUTE/PATH")
+
+    @field_validator("model_args")
+    @classmethod
+    def _model_args(cls, value: dict[str, Any]) -> dict[str, Any]:
+        if "num_classes" in value:
+            raise ValueError("num_classes comes from the data set's classes; leave it out")
+        return value
 
     @field_validator("resume")
     @classmethod
