@@ -18,11 +18,20 @@ BUILTIN_CLASSES = {"synthetic": 10, "stl10": 10}
 
 def needs_preflight(cfg: TrainConfig) -> bool:
     arch = cfg.resolved_arch
-    return bool(is_factory_spec(arch) or timm_model_name(arch) is not None or cfg.model_args)
+    return bool(
+        is_factory_spec(arch)
+        or timm_model_name(arch) is not None
+        or cfg.model_args
+        or cfg.custom_dataset
+    )
 
 
 def class_count(cfg: TrainConfig) -> int:
     """The classes of the data set the run trains on: the model's output width."""
+    if cfg.custom_dataset:
+        from ddpcli.data.custom import custom_splits
+
+        return len(custom_splits(cfg).class_names)
     if cfg.dataset in BUILTIN_CLASSES:
         return BUILTIN_CLASSES[cfg.dataset]
     from ddpcli.data.sets import check_imagefolder

@@ -174,7 +174,7 @@ def test_train_help_shows_each_default_and_the_choices():
     lines = help_lines("train")
     batch = TrainConfig.model_fields["per_gpu_batch"].default
     assert f"[default: {batch}]" in option_row(lines, "--per-gpu-batch")  # 64
-    assert "[synthetic|stl10|imagefolder]" in option_row(lines, "--dataset")
+    assert "[synthetic|stl10|imagefolder|pkg.module:factory]" in option_row(lines, "--dataset")
     assert "[default: synthetic]" in option_row(lines, "--dataset")
     assert "[ddp|dp|balanced-dp]" in option_row(lines, "--strategy")
     assert "[linear|sqrt|none]" in option_row(lines, "--lr-scaling")

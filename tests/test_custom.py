@@ -164,3 +164,108 @@ def test_model_args_are_toml_values_and_refused_when_malformed(project):
     )  # fmt: skip
     assert unknown.returncode == 2
     assert "invalid --model-arg for --arch tinycnn" in unknown.stderr and "depth" in unknown.stderr
+
+
+# --- Your own data set -----------------------------------------------------------------------
+
+DATA_FILE = """
+import torch
+from PIL import Image
+
+
+class Stripes(torch.utils.data.Dataset):
+    # Class c brightens channel c; float CHW tensors, or PIL images with pil=True.
+    def __init__(self, count, size, seed, pil=False):
+        generator = torch.Generator().manual_seed(seed)
+        self.labels = torch.randint(3, (count,), generator=generator)
+        self.size, self.pil = size, pil
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitem__(self, index):
+        label = int(self.labels[index])
+        image = torch.full((3, self.size + 4, self.size), 0.2)
+        image[label] = 0.9
+        if self.pil:
+            return Image.fromarray((image * 255).byte().permute(1, 2, 0).numpy()), label
+        return image, label
+
+
+def stripes(data_dir, image_size):
+    # 21 validation images: odd, so a padded sampler would count one twice on 2 ranks.
+    return Stripes(64, image_size, 0), Stripes(21, image_size, 1, pil=True), ["r", "g", "b"]
+
+
+def two_things(data_dir, image_size):
+    return Stripes(64, image_size, 0), Stripes(21, image_size, 1)
+
+
+def label_out_of_range(data_dir, image_size):
+    return Stripes(64, image_size, 0), [(torch.zeros(3, 8, 8), 7)], ["r", "g", "b"]
+
+
+def names_as_text(data_dir, image_size):
+    return Stripes(64, image_size, 0), Stripes(21, image_size, 1), "rgb"
+
+
+def bad_image(data_dir, image_size):
+    return Stripes(64, image_size, 0), [(torch.zeros(8, 8), 0)], ["r", "g", "b"]
+"""
+
+
+@pytest.fixture
+def data_project(project: Path) -> Path:
+    (project / "mydata.py").write_text(textwrap.dedent(DATA_FILE))
+    return project
+
+
+def traced(trace: Path, world_size: int) -> dict[int, list[int]]:
+    """Epoch -> every training index any rank was handed, in the trace files."""
+    seen: dict[int, list[int]] = {}
+    for rank in range(world_size):
+        for line in trace.with_name(f"{trace.name}.rank{rank}").read_text().splitlines():
+            batch = json.loads(line)
+            seen.setdefault(batch["epoch"], []).extend(batch["indices"])
+    return seen
+
+
+def test_a_custom_dataset_trains_with_exact_validation_and_an_exact_resume(data_project):
+    out, trace = data_project / "run", data_project / "trace"
+    common = [
+        "train", *TINY, "--arch", "mymodels:patchnet", "--dataset", "mydata:stripes",
+        "--epochs", "2", "--out", str(out),
+    ]  # fmt: skip
+    env = {"PYTHONPATH": str(REPO), "DDPCLI_TRACE_SAMPLES": str(trace)}
+    stopped = run_cli(*common, "--max-steps", "3", timeout=180, cwd=data_project, env=env)
+    assert stopped.returncode == 0, stopped.stderr[-3000:]
+    resumed = run_cli(*common, "--resume", "auto", timeout=180, cwd=data_project, env=env)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stderr
+    metrics = read_metrics(out)
+    assert [m["epoch"] for m in metrics if not m.get("partial")] == [1, 2]
+    assert all(m["val_samples"] == 21 for m in metrics)  # each image once, on one rank
+    # 64 images, 2 ranks, batch 8: every image trained exactly once per epoch, the
+    # interruption after step 3 included.
+    seen = traced(trace, 2)
+    assert sorted(seen[0]) == sorted(seen[1]) == list(range(64))
+    assert json.loads((out / "config.json").read_text())["dataset"] == "mydata:stripes"
+
+
+@pytest.mark.parametrize(
+    ("dataset", "words"),
+    [
+        ("mydata:two_things", "mydata:two_things must return (train, val, class_names); it returned a tuple of 2"),
+        ("mydata:label_out_of_range", "val item 0's label must be a class index 0..2"),
+        ("mydata:names_as_text", "class_names (the third of (train, val, class_names)) must be a list"),
+        ("mydata:bad_image", "must be a PIL image or a (3, H, W) tensor"),
+        ("mydata:nowhere", "invalid --dataset: mydata has no attribute 'nowhere'"),
+    ],
+)  # fmt: skip
+def test_each_bad_dataset_factory_exits_2_before_any_worker_starts(data_project, dataset, words):
+    out = data_project / "run"
+    result = run_in(data_project, "train", *TINY, "--dataset", dataset, "--out", str(out))
+    assert result.returncode == 2, result.stderr
+    assert words in result.stderr
+    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert not (out / "config.json").exists()

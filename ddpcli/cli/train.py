@@ -39,7 +39,14 @@ def train(
     ] = None,
     dataset: Annotated[
         str | None,
-        train_option("dataset", "Images to train on (stl10, imagefolder: --data-dir).", DATA),
+        train_option(
+            "dataset",
+            "Images to train on (stl10, imagefolder: --data-dir), or your own: a factory "
+            "called with data_dir= and image_size=, returning (train, val, class_names) "
+            "(docs/custom.md).",
+            DATA,
+            metavar="[synthetic|stl10|imagefolder|pkg.module:factory]",
+        ),
     ] = None,
     data_dir: Annotated[
         Path | None, train_option("data_dir", "Data folder.", DATA, default="none")

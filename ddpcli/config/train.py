@@ -13,7 +13,7 @@ import re
 import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar, get_args
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
@@ -28,6 +28,7 @@ from ddpcli.config.common import (
     validated,
 )
 from ddpcli.errors import DdpcliError, usage_error
+from ddpcli.factories import is_factory_spec
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -112,7 +113,8 @@ class TrainConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
     # data
-    dataset: DatasetName = "synthetic"
+    # A built-in set's name, or the user's own factory (`pkg.module:factory`).
+    dataset: str = "synthetic"
     data_dir: Path | None = None
     download: bool = False
     image_size: int | None = Field(None, ge=8, le=1024)
@@ -191,6 +193,16 @@ class TrainConfig(BaseModel):
             return value
         raise ValueError("use env://, tcp://HOST:PORT or file:///ABSOLUTE/PATH")
 
+    @field_validator("dataset")
+    @classmethod
+    def _dataset_name(cls, value: str) -> str:
+        if value in get_args(DatasetName) or is_factory_spec(value):
+            return value
+        raise ValueError(
+            "use synthetic, stl10, imagefolder, or your own data set as pkg.module:factory "
+            "(docs/custom.md)"
+        )
+
     @field_validator("model_args")
     @classmethod
     def _model_args(cls, value: dict[str, Any]) -> dict[str, Any]:
@@ -226,8 +238,13 @@ class TrainConfig(BaseModel):
         check_node_rank(self.node_rank, self.nnodes)
         if self.cpu and self.gpus:
             raise ValueError("invalid --cpu: --cpu and --gpus exclude each other; pick one")
-        if self.dataset != "synthetic" and self.data_dir is None:
+        if self.dataset in ("stl10", "imagefolder") and self.data_dir is None:
             raise ValueError(f"invalid --data-dir: --dataset {self.dataset} needs --data-dir DIR")
+        if self.custom_dataset and self.data_path == "device":
+            raise ValueError(
+                "invalid --data-path: device holds the built-in sets in device memory; your own "
+                "--dataset streams through the loader (--data-path loader or auto)"
+            )
         if self.strategy == "balanced-dp" and self.gpu0_batch is None:
             raise ValueError("invalid --gpu0-batch: --strategy balanced-dp needs --gpu0-batch N")
         if self.overwrite and self.resume == "auto":
@@ -238,6 +255,11 @@ class TrainConfig(BaseModel):
         return self
 
     # Values derived from the config, never stored twice.
+    @property
+    def custom_dataset(self) -> bool:
+        """--dataset names the user's own factory, not a built-in set."""
+        return is_factory_spec(self.dataset)
+
     @property
     def uses_gpus(self) -> bool:
         return not self.cpu and bool(self.gpus)
