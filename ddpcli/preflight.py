@@ -23,6 +23,7 @@ def needs_preflight(cfg: TrainConfig) -> bool:
         or timm_model_name(arch) is not None
         or cfg.model_args
         or cfg.custom_dataset
+        or cfg.init_from
     )
 
 
@@ -52,6 +53,11 @@ def preflight(cfg: TrainConfig) -> dict[str, Any]:
     with torch.device("cpu"):
         model = build_model(cfg.resolved_arch, num_classes, cfg.model_args)
     built: dict[str, Any] = {}
+    if cfg.init_from is not None:  # a shape that does not fit: exit 2 now, not on every rank
+        from ddpcli.checkpoint.init import load_initial_weights
+
+        report = load_initial_weights(model, cfg.init_from, num_classes, cfg.reset_head)
+        built["initial_weights"] = report.summary()
     check_model_output(model, cfg.resolved_arch, num_classes, cfg.resolved_image_size)
     kind = type(model)
     built.update(

@@ -30,6 +30,7 @@ from ddpcli.checkpoint.schema import (
     resume_warnings,
     training_payload,
 )
+from ddpcli.checkpoint.init import load_initial_weights
 from ddpcli.checkpoint.writer import CheckpointWriter, write_metrics_history
 from ddpcli.config import TrainConfig
 from ddpcli.data.pipeline import DataPipeline
@@ -162,13 +163,27 @@ class Trainer:
             )
             ui.info(f"resumed from {path} at {where} (step {self.state.step})")
 
+    def start_from_weights(self, path: Path) -> None:
+        """--init-from: every rank loads the same file into its replica before step 1."""
+        num_classes = self.data.splits.num_classes
+        report = load_initial_weights(
+            unwrap(self.model), path, num_classes, self.cfg.reset_head, self.ctx.device
+        )
+        if self.ctx.is_main:
+            ui.info(report.line())
+
     # --- training
     def fit(self) -> dict[str, Any]:
         resume_path = self.agreed_resume_path()
-        if resume_path:
+        if resume_path:  # the resumed weights replace any --init-from ones
             self.resume(resume_path)
-        elif self.cfg.resume == "auto" and self.ctx.is_main:
-            ui.info("--resume auto: no checkpoints/last.pt in the output folder; starting fresh")
+        else:
+            if self.cfg.resume == "auto" and self.ctx.is_main:
+                ui.info(
+                    "--resume auto: no checkpoints/last.pt in the output folder; starting fresh"
+                )
+            if self.cfg.init_from is not None:
+                self.start_from_weights(self.cfg.init_from)
         last = self.state.history[-1] if self.state.history else {}
         if not self.work_left():
             return last

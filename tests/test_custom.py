@@ -269,3 +269,40 @@ def test_each_bad_dataset_factory_exits_2_before_any_worker_starts(data_project,
     assert words in result.stderr
     assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
     assert not (out / "config.json").exists()
+
+
+# --- Fine-tuning from someone's weights ------------------------------------------------------
+
+
+def test_init_from_then_reset_head_fine_tunes_to_another_class_count(data_project):
+    import torch
+
+    user_module = import_file(data_project / "mymodels.py", "mymodels_for_init")
+    source = user_module.PatchNet(num_classes=10, width=6).state_dict()
+    weights = data_project / "ten-classes.pt"  # a plain state dict, saved by a DDP run
+    torch.save({f"module.{key}": tensor for key, tensor in source.items()}, weights)
+    common = [
+        "train", *TINY, "--arch", "mymodels:patchnet", "--dataset", "mydata:stripes",
+        "--epochs", "1", "--init-from", str(weights), "--out", str(data_project / "run"),
+    ]  # fmt: skip
+
+    other_classes = run_in(data_project, *common, "--model-arg", "width=6")
+    assert other_classes.returncode == 2, other_classes.stderr
+    assert "head.weight is [10, 6] in the file, [3, 6] here" in other_classes.stderr
+    assert "add --reset-head" in other_classes.stderr
+
+    other_body = run_in(data_project, *common, "--model-arg", "width=5", "--reset-head")
+    assert other_body.returncode == 2, other_body.stderr
+    assert "does not fit this model (body.0.weight is [6, 3, 3, 3] in the file" in other_body.stderr
+
+    tuned = run_in(data_project, *common, "--model-arg", "width=6", "--reset-head", timeout=180)
+    assert tuned.returncode == 0, tuned.stderr[-3000:]
+    # conv 2 + BatchNorm 5 (weight, bias, running mean and var, batches tracked)
+    assert "loaded 7 tensors · reset (--reset-head) 2: head.weight, head.bias" in tuned.stderr
+    assert "missing, left as built 0 · unexpected, ignored 0" in tuned.stderr
+    run = data_project / "run"
+    assert read_metrics(run)[0]["step"] == 4  # a fresh start: 64 images / (2 x 8) per step
+    tuned_head = torch.load(run / "checkpoints" / "last.pt", weights_only=True)["model"]
+    assert tuned_head["head.weight"].shape == (3, 6)
+    config = json.loads((run / "config.json").read_text())
+    assert config["init_from"] == str(weights) and config["reset_head"] is True

@@ -111,6 +111,18 @@ def train(
             decls=("--model-arg",),
         ),
     ] = None,
+    init_from: Annotated[
+        Path | None,
+        train_option(
+            "init_from",
+            "Start from these weights: a ddpcli checkpoint, a `ddpcli checkpoint convert` "
+            "output or a torch.save'd state dict. Not a resume: step, optimiser and schedule "
+            "start fresh.",
+            MODEL,
+            default="none: the model's own initialisation",
+        ),
+    ] = None,
+    reset_head: Annotated[bool | None, train_option("reset_head", panel=MODEL)] = None,
     epochs: Annotated[int | None, train_option("epochs", panel=MODEL)] = None,
     per_gpu_batch: Annotated[
         int | None, train_option("per_gpu_batch", "Batch of one process.", MODEL)

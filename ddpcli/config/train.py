@@ -131,6 +131,16 @@ class TrainConfig(BaseModel):
     # model and optimisation
     arch: str | None = None
     model_args: ModelArgs = Field(default_factory=dict)
+    init_from: Path | None = Field(
+        None,
+        description="start from these weights (a ddpcli checkpoint, a `checkpoint convert` "
+        "output or a state dict); not a resume: step, optimiser and schedule start fresh",
+    )
+    reset_head: bool = Field(
+        False,
+        description="with --init-from: leave the final classifier as built, for another "
+        "number of classes (fine-tuning)",
+    )
     epochs: int = Field(5, ge=1)
     per_gpu_batch: int = Field(64, ge=1)
     accumulate: int = Field(1, ge=1)
@@ -240,6 +250,8 @@ class TrainConfig(BaseModel):
             raise ValueError("invalid --cpu: --cpu and --gpus exclude each other; pick one")
         if self.dataset in ("stl10", "imagefolder") and self.data_dir is None:
             raise ValueError(f"invalid --data-dir: --dataset {self.dataset} needs --data-dir DIR")
+        if self.reset_head and self.init_from is None:
+            raise ValueError("invalid --reset-head: it applies to the weights of --init-from PATH")
         if self.custom_dataset and self.data_path == "device":
             raise ValueError(
                 "invalid --data-path: device holds the built-in sets in device memory; your own "
