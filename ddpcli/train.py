@@ -33,6 +33,7 @@ from ddpcli.checkpoint.schema import (
 from ddpcli.checkpoint.init import load_initial_weights
 from ddpcli.checkpoint.writer import CheckpointWriter, write_metrics_history
 from ddpcli.config import TrainConfig
+from ddpcli.config.train import OPTIMIZER_DEFAULTS
 from ddpcli.data.pipeline import DataPipeline
 from ddpcli.data.sets import SKIPPED_IMAGES_FILE
 from ddpcli.dist import DistContext, all_reduce_max, all_reduce_sum, barrier
@@ -56,23 +57,45 @@ def build_parallel_model(cfg: TrainConfig, ctx: DistContext, num_classes: int) -
 
 
 def build_optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
-    """SGD at the run's peak rate: --lr scaled to the global batch (`peak_lr`)."""
+    """SGD or AdamW at the run's peak rate: --lr scaled to the global batch (`peak_lr`)."""
     # No weight decay on norms and biases: the usual recipe for BN nets.
     decay: list[nn.Parameter] = []
     no_decay: list[nn.Parameter] = []
     for parameter in model.parameters():
         (no_decay if parameter.ndim <= 1 else decay).append(parameter)
     groups = [
-        {"params": decay, "weight_decay": cfg.weight_decay},
+        {"params": decay, "weight_decay": cfg.resolved_weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
+    lr = cfg.resolved_peak_lr
+    if cfg.optimizer == "adamw":
+        betas = cfg.betas or [0.9, 0.999]
+        make = lambda **fused: torch.optim.AdamW(  # noqa: E731
+            groups, lr=lr, betas=(betas[0], betas[1]), **fused
+        )
+    else:
+        make = lambda **fused: torch.optim.SGD(  # noqa: E731
+            groups, lr=lr, momentum=cfg.momentum, nesterov=True, **fused
+        )
     # One fused kernel for the whole update, on GPUs and on the CPU alike: on the CPU
     # foreach is the slowest choice (measured in docs/performance.md).
-    lr = cfg.resolved_peak_lr
     try:
-        return torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum, nesterov=True, fused=True)
-    except (RuntimeError, ValueError):  # an older torch without fused SGD for this device
-        return torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum, nesterov=True)
+        return make(fused=True)
+    except (RuntimeError, ValueError):  # an older torch without a fused kernel for this device
+        return make()
+
+
+def describe_optimizer(cfg: TrainConfig) -> str:
+    """`sgd (nesterov momentum 0.9, weight decay 0.0005)`; AdamW's with its betas, and
+    whether --lr-scaling is its default."""
+    decay = f"weight decay {cfg.resolved_weight_decay:g}"
+    if cfg.optimizer != "adamw":
+        return f"sgd (nesterov momentum {cfg.momentum:g}, {decay})"
+    betas = ", ".join(f"{beta:g}" for beta in cfg.betas or [])
+    scaling = cfg.resolved_lr_scaling
+    default = OPTIMIZER_DEFAULTS["adamw"]["lr_scaling"]
+    rule = f"--lr-scaling {scaling}" + (", adamw's default" if scaling == default else "")
+    return f"adamw (betas {betas}, {decay}; {rule})"
 
 
 def warmup_cosine(total_steps: int, warmup_steps: int) -> Callable[[int], float]:
@@ -248,6 +271,7 @@ class Trainer:
             f"accumulate {self.accumulate} = global batch {self.global_batch}"
         )
         ui.info(
+            f"{describe_optimizer(cfg)} · "
             f"{cfg.describe_lr_at(self.ctx.world_size, self.micro_total)} · linear warm-up "
             f"{self.warmup_steps} "
             f"steps, cosine decay to 0 at step {self.total_steps}"

@@ -306,3 +306,95 @@ def test_init_from_then_reset_head_fine_tunes_to_another_class_count(data_projec
     assert tuned_head["head.weight"].shape == (3, 6)
     config = json.loads((run / "config.json").read_text())
     assert config["init_from"] == str(weights) and config["reset_head"] is True
+
+
+# --- AdamW and timm --------------------------------------------------------------------------
+
+
+def test_adamw_trains_and_the_header_says_its_lr_scaling(project):
+    out = project / "run"
+    result = run_in(
+        project, "train", *TINY, "--arch", "tinycnn", "--synthetic-size", "64", "--epochs", "1",
+        "--optimizer", "adamw", "--betas", "0.9,0.95", "--out", str(out), timeout=180,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    # 0.001 per 256 images at a global batch of 16: x sqrt(16/256) = 0.00025
+    assert "adamw (betas 0.9, 0.95, weight decay 0.05; --lr-scaling sqrt, adamw's default)" in (
+        result.stderr
+    )
+    assert "lr 0.001 per 256 images -> 0.00025 at global batch 16 (sqrt)" in result.stderr
+    config = json.loads((out / "config.json").read_text())
+    assert config["optimizer"] == "adamw" and config["betas"] == [0.9, 0.95]
+    assert config["lr_scaling"] == "sqrt" and config["peak_lr"] == 0.00025
+    import torch
+
+    saved = torch.load(out / "checkpoints" / "last.pt", weights_only=True)
+    assert tuple(saved["optimizer"]["param_groups"][0]["betas"]) == (0.9, 0.95)
+    assert "exp_avg_sq" in next(iter(saved["optimizer"]["state"].values()))  # AdamW's state
+
+
+def test_sgd_keeps_its_defaults_and_betas_need_adamw():
+    from ddpcli.config import build_train_config
+
+    sgd = build_train_config({"arch": "resnet18"}, None)
+    assert (sgd.optimizer, sgd.lr, sgd.lr_scaling, sgd.weight_decay) == ("sgd", 0.1, "linear", 5e-4)
+    adamw = build_train_config({"arch": "resnet18", "optimizer": "adamw"}, None)
+    assert (adamw.lr, adamw.lr_scaling, adamw.weight_decay) == (0.001, "sqrt", 0.05)
+    with pytest.raises(Exception, match="invalid --betas: they are AdamW's"):
+        build_train_config({"betas": "0.9,0.99"}, None)
+
+
+FAKE_TIMM = """
+from torch import nn
+
+def is_model(name):
+    return name == "fake_vit"
+
+def create_model(model_name, num_classes, **kwargs):
+    return nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(3, num_classes))
+"""
+
+
+def test_timm_models_are_built_by_timm_when_it_is_installed(project):
+    fake = project / "site"  # stands in for an installed timm
+    (fake / "timm").mkdir(parents=True)
+    (fake / "timm" / "__init__.py").write_text(textwrap.dedent(FAKE_TIMM))
+    env = {"PYTHONPATH": f"{REPO}:{fake}"}
+    built = run_cli(
+        "train", "--cpu", "--arch", "timm:fake_vit", "--dry-run", "--json", timeout=60,
+        cwd=project, env=env,
+    )  # fmt: skip
+    assert built.returncode == 0, built.stderr
+    assert json.loads(built.stdout)["model_class"] == "torch.nn.modules.container.Sequential"
+    unknown = run_cli(
+        "train", "--cpu", "--arch", "timm:no_such_net", "--dry-run", timeout=60,
+        cwd=project, env=env,
+    )  # fmt: skip
+    assert unknown.returncode == 2
+    assert "invalid --arch: timm has no model 'no_such_net'" in unknown.stderr
+
+
+def test_a_recipe_carries_the_new_settings_and_flags_override_them(tmp_path):
+    from ddpcli.config import build_train_config
+
+    recipe = tmp_path / "finetune.toml"
+    recipe.write_text(
+        textwrap.dedent(
+            """
+            [train]
+            arch = "mymodels:patchnet"
+            dataset = "mydata:stripes"
+            optimizer = "adamw"
+            betas = [0.9, 0.95]
+            init_from = "weights.pt"
+            reset_head = true
+            model_args = { width = 16, act = "relu" }
+            """
+        )
+    )
+    cfg = build_train_config({}, recipe)
+    assert cfg.model_args == {"width": 16, "act": "relu"} and cfg.betas == [0.9, 0.95]
+    assert cfg.init_from == Path("weights.pt") and cfg.reset_head and cfg.custom_dataset
+    assert cfg.augment == "auto" and cfg.data_dir is None  # a factory needs no --data-dir
+    flagged = build_train_config({"model_args": ["width=8"]}, recipe)
+    assert flagged.model_args == {"width": 8}  # the flags' keywords replace the recipe's

@@ -32,7 +32,7 @@ TRAINING_KEYS = (
 # Not --max-steps: it only says where a run stops, and a resume may raise or drop it.
 RESULT_SETTINGS = (
     "arch", "model_args", "dataset", "image_size", "synthetic_size", "epochs", "per_gpu_batch", "accumulate",
-    "lr", "lr_base_batch", "lr_scaling", "momentum", "weight_decay", "warmup_epochs",
+    "lr", "lr_base_batch", "lr_scaling", "optimizer", "betas", "momentum", "weight_decay", "warmup_epochs",
     "label_smoothing", "seed", "precision", "augment",
 )  # fmt: skip
 

@@ -136,7 +136,7 @@ def train(
             "lr",
             "Peak learning rate for a global batch of --lr-base-batch images.",
             MODEL,
-            default="0.1; 0.2 for smallcnn/tinycnn",
+            default="sgd 0.1 (0.2 for smallcnn/tinycnn); adamw 0.001",
         ),
     ] = None,
     lr_base_batch: Annotated[
@@ -149,10 +149,29 @@ def train(
             "How --lr follows the global batch (per-gpu-batch x world x accumulate): linear "
             "multiplies it by global/base, sqrt by the square root of that; none: --lr as given.",
             MODEL,
+            default="linear for sgd, sqrt for adamw",
         ),
     ] = None,
-    momentum: Annotated[float | None, train_option("momentum", panel=MODEL)] = None,
-    weight_decay: Annotated[float | None, train_option("weight_decay", panel=MODEL)] = None,
+    optimizer: Annotated[
+        str | None,
+        train_option(
+            "optimizer",
+            "sgd: Nesterov momentum; adamw: decoupled weight decay. Each brings its own "
+            "--lr, --lr-scaling and --weight-decay defaults.",
+            MODEL,
+        ),
+    ] = None,
+    momentum: Annotated[float | None, train_option("momentum", "SGD's.", MODEL)] = None,
+    betas: Annotated[
+        str | None,
+        train_option("betas", "AdamW's, as B1,B2.", MODEL, default="0.9,0.999 with adamw"),
+    ] = None,
+    weight_decay: Annotated[
+        float | None,
+        train_option(
+            "weight_decay", "Not on norms and biases.", MODEL, default="0.0005 sgd, 0.05 adamw"
+        ),
+    ] = None,
     warmup_epochs: Annotated[float | None, train_option("warmup_epochs", panel=MODEL)] = None,
     label_smoothing: Annotated[float | None, train_option("label_smoothing", panel=MODEL)] = None,
     seed: Annotated[int | None, train_option("seed", panel=MODEL)] = None,

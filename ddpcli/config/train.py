@@ -15,11 +15,21 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar, get_args
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_validator,
+)
 
 from ddpcli.archs import BUILTIN_ARCHS
 from ddpcli.config.common import (
     Backend,
+    from_comma_text,
+    parse_float_list,
     DatasetName,
     GpuList,
     Precision,
@@ -43,6 +53,7 @@ TRACE_SAMPLES_VARIABLE = "DDPCLI_TRACE_SAMPLES"
 MIN_TIMEOUT_S = 1.0
 
 LrScaling = Literal["linear", "sqrt", "none"]
+Optimizer = Literal["sgd", "adamw"]
 
 # --lr's default, per 256 images: the ResNet-with-SGD reference rate for torchvision's
 # models; the built-in small nets (three BN conv layers) learn best at twice it, measured on
@@ -51,7 +62,20 @@ REFERENCE_LR = 0.1
 BUILTIN_NET_LR = 0.2
 
 
-def default_lr(arch: str) -> float:
+# AdamW: a common starting rate per 256 images (timm's and DeiT's recipes sit near it),
+# grown with the square root of the batch as timm does for adaptive optimisers; its
+# decoupled weight decay needs a far larger coefficient than SGD's L2 term to matter.
+ADAMW_LR = 1e-3
+# What each optimiser uses unless the flags or the recipe say otherwise.
+OPTIMIZER_DEFAULTS: dict[str, dict[str, Any]] = {
+    "sgd": {"lr_scaling": "linear", "weight_decay": 5e-4},
+    "adamw": {"lr_scaling": "sqrt", "weight_decay": 0.05, "betas": [0.9, 0.999]},
+}
+
+
+def default_lr(arch: str, optimizer: str = "sgd") -> float:
+    if optimizer == "adamw":
+        return ADAMW_LR
     return BUILTIN_NET_LR if arch in BUILTIN_ARCHS else REFERENCE_LR
 
 
@@ -103,6 +127,17 @@ def parse_model_args(value: Any) -> Any:
     return parsed
 
 
+def _valid_betas(value: list[float]) -> list[float]:
+    if len(value) != 2 or not all(0 <= beta < 1 for beta in value):
+        raise ValueError("give two numbers in [0, 1), e.g. --betas 0.9,0.999")
+    return value
+
+
+# `--betas 0.9,0.999`: AdamW's moving-average coefficients.
+Betas = Annotated[
+    list[float], from_comma_text(parse_float_list, "betas"), AfterValidator(_valid_betas)
+]
+
 # `--model-arg depth=4 --model-arg act=relu`: keywords for the model's constructor.
 ModelArgs = Annotated[dict[str, Any], BeforeValidator(parse_model_args)]
 
@@ -146,9 +181,12 @@ class TrainConfig(BaseModel):
     accumulate: int = Field(1, ge=1)
     lr: float | None = Field(None, gt=0)  # None: default_lr(arch), set once the arch is known
     lr_base_batch: int = Field(256, ge=1)
-    lr_scaling: LrScaling = "linear"
+    # None below: the optimiser's default (OPTIMIZER_DEFAULTS), filled in with it.
+    lr_scaling: LrScaling | None = None
+    optimizer: Optimizer = "sgd"
     momentum: float = Field(0.9, ge=0, lt=1)
-    weight_decay: float = Field(5e-4, ge=0)
+    betas: Betas | None = None
+    weight_decay: float | None = Field(None, ge=0)
     warmup_epochs: float = Field(1.0, ge=0)
     label_smoothing: float = Field(0.0, ge=0, lt=1)
     seed: int = Field(0, ge=0)
@@ -228,10 +266,22 @@ class TrainConfig(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _lr_for_arch(cls, data: Any) -> Any:
-        """--lr's default depends on the model, so it is filled in with the arch."""
+        """--lr's default depends on the model and the optimiser, so it is filled in with
+        the arch."""
         if isinstance(data, dict) and data.get("lr") is None and data.get("arch"):
-            return {**data, "lr": default_lr(data["arch"])}
+            return {**data, "lr": default_lr(data["arch"], data.get("optimizer") or "sgd")}
         return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _optimizer_defaults(cls, data: Any) -> Any:
+        """--lr-scaling, --weight-decay and --betas default to the optimiser's values; an
+        unknown optimiser is left for the field's own check to name."""
+        if not isinstance(data, dict):
+            return data
+        defaults = OPTIMIZER_DEFAULTS.get(data.get("optimizer") or "sgd", {})
+        missing = {key: value for key, value in defaults.items() if data.get(key) is None}
+        return {**data, **missing}
 
     @field_validator("timeout")
     @classmethod
@@ -250,6 +300,8 @@ class TrainConfig(BaseModel):
             raise ValueError("invalid --cpu: --cpu and --gpus exclude each other; pick one")
         if self.dataset in ("stl10", "imagefolder") and self.data_dir is None:
             raise ValueError(f"invalid --data-dir: --dataset {self.dataset} needs --data-dir DIR")
+        if self.betas is not None and self.optimizer != "adamw":
+            raise ValueError("invalid --betas: they are AdamW's; add --optimizer adamw")
         if self.reset_head and self.init_from is None:
             raise ValueError("invalid --reset-head: it applies to the weights of --init-from PATH")
         if self.custom_dataset and self.data_path == "device":
@@ -299,11 +351,15 @@ class TrainConfig(BaseModel):
     def peak_lr_at(self, world_size: int, micro_batches_per_epoch: int | None = None) -> float:
         """--lr scaled by --lr-scaling to this run's global batch (see `scaled_lr`)."""
         global_batch = self.global_batch_at(world_size, micro_batches_per_epoch)
-        return scaled_lr(self.resolved_lr, global_batch, self.lr_base_batch, self.lr_scaling)
+        return scaled_lr(
+            self.resolved_lr, global_batch, self.lr_base_batch, self.resolved_lr_scaling
+        )
 
     def describe_lr_at(self, world_size: int, micro_batches_per_epoch: int | None = None) -> str:
         global_batch = self.global_batch_at(world_size, micro_batches_per_epoch)
-        return describe_lr(self.resolved_lr, global_batch, self.lr_base_batch, self.lr_scaling)
+        return describe_lr(
+            self.resolved_lr, global_batch, self.lr_base_batch, self.resolved_lr_scaling
+        )
 
     # Settings `ddpcli.resolve` fills in before any worker starts: None only until then.
     @property
@@ -324,6 +380,14 @@ class TrainConfig(BaseModel):
         if self.data_dir is None:
             raise RuntimeError(f"TrainConfig.data_dir read, but --dataset {self.dataset} has none")
         return self.data_dir
+
+    @property
+    def resolved_lr_scaling(self) -> LrScaling:
+        return _resolved(self.lr_scaling, "lr_scaling")
+
+    @property
+    def resolved_weight_decay(self) -> float:
+        return _resolved(self.weight_decay, "weight_decay")
 
     @property
     def resolved_lr(self) -> float:
