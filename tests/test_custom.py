@@ -94,7 +94,8 @@ def test_a_custom_model_trains_and_its_checkpoint_loads_back_into_the_users_clas
         timeout=60,
     )  # fmt: skip
     assert convert.returncode == 0, convert.stderr
-    assert "mymodels:patchnet(num_classes=10, **model_args)" in convert.stdout + convert.stderr
+    hint = "from mymodels import patchnet; patchnet(num_classes=10, width=6).load_state_dict("
+    assert hint in convert.stdout + convert.stderr
     import torch
 
     user_module = import_file(project / "mymodels.py", "mymodels_loaded_back")
@@ -398,3 +399,11 @@ def test_a_recipe_carries_the_new_settings_and_flags_override_them(tmp_path):
     assert cfg.augment == "auto" and cfg.data_dir is None  # a factory needs no --data-dir
     flagged = build_train_config({"model_args": ["width=8"]}, recipe)
     assert flagged.model_args == {"width": 8}  # the flags' keywords replace the recipe's
+
+
+def test_the_worked_example_in_the_docs_is_the_shipped_one():
+    """docs/custom.md shows examples/custom/*.py in full; they must not drift apart."""
+    doc = (REPO / "docs" / "custom.md").read_text()
+    for name in ("models.py", "csv_data.py", "make_toy_data.py"):
+        source = (REPO / "examples" / "custom" / name).read_text()
+        assert f"```python\n{source}```" in doc, name
