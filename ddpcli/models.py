@@ -112,12 +112,6 @@ def parameter_count(model: nn.Module) -> int:
     return sum(parameter.numel() for parameter in model.parameters())
 
 
-def describe_model(model: nn.Module) -> str:
-    """`MyNet (my_models.MyNet), 12,345 parameters`: what --dry-run shows."""
-    kind = type(model)
-    return f"{kind.__name__} ({kind.__module__}.{kind.__qualname__}), {parameter_count(model):,} parameters"
-
-
 def check_model_output(model: nn.Module, arch: str, num_classes: int, image_size: int) -> None:
     """One forward pass of two images on the CPU: the output must be (batch, num_classes)."""
     images = torch.zeros(2, 3, image_size, image_size)

@@ -21,6 +21,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ddpcli import ui
+from ddpcli.checkpoint.init import load_initial_weights
 from ddpcli.checkpoint.schema import (
     TrainingParts,
     TrainState,
@@ -30,7 +31,6 @@ from ddpcli.checkpoint.schema import (
     resume_warnings,
     training_payload,
 )
-from ddpcli.checkpoint.init import load_initial_weights
 from ddpcli.checkpoint.writer import CheckpointWriter, write_metrics_history
 from ddpcli.config import TrainConfig
 from ddpcli.config.train import OPTIMIZER_DEFAULTS
@@ -68,21 +68,21 @@ def build_optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer
         {"params": no_decay, "weight_decay": 0.0},
     ]
     lr = cfg.resolved_peak_lr
-    if cfg.optimizer == "adamw":
-        betas = cfg.betas or [0.9, 0.999]
-        make = lambda **fused: torch.optim.AdamW(  # noqa: E731
-            groups, lr=lr, betas=(betas[0], betas[1]), **fused
-        )
-    else:
-        make = lambda **fused: torch.optim.SGD(  # noqa: E731
-            groups, lr=lr, momentum=cfg.momentum, nesterov=True, **fused
-        )
     # One fused kernel for the whole update, on GPUs and on the CPU alike: on the CPU
     # foreach is the slowest choice (measured in docs/performance.md).
     try:
-        return make(fused=True)
+        return make_optimizer(cfg, groups, lr, fused=True)
     except (RuntimeError, ValueError):  # an older torch without a fused kernel for this device
-        return make()
+        return make_optimizer(cfg, groups, lr)
+
+
+def make_optimizer(
+    cfg: TrainConfig, groups: list[dict[str, Any]], lr: float, **fused: bool
+) -> torch.optim.Optimizer:
+    if cfg.optimizer == "adamw":
+        betas = cfg.betas or [0.9, 0.999]
+        return torch.optim.AdamW(groups, lr=lr, betas=(betas[0], betas[1]), **fused)
+    return torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum, nesterov=True, **fused)
 
 
 def describe_optimizer(cfg: TrainConfig) -> str:

@@ -31,9 +31,9 @@ TRAINING_KEYS = (
 # Settings that change the arithmetic: resuming with other values cannot reproduce the run.
 # Not --max-steps: it only says where a run stops, and a resume may raise or drop it.
 RESULT_SETTINGS = (
-    "arch", "model_args", "dataset", "image_size", "synthetic_size", "epochs", "per_gpu_batch", "accumulate",
-    "lr", "lr_base_batch", "lr_scaling", "optimizer", "betas", "momentum", "weight_decay", "warmup_epochs",
-    "label_smoothing", "seed", "precision", "augment",
+    "arch", "model_args", "dataset", "image_size", "synthetic_size", "epochs", "per_gpu_batch",
+    "accumulate", "lr", "lr_base_batch", "lr_scaling", "optimizer", "betas", "momentum",
+    "weight_decay", "warmup_epochs", "label_smoothing", "seed", "precision", "augment",
 )  # fmt: skip
 
 

@@ -28,13 +28,13 @@ from pydantic import (
 from ddpcli.archs import BUILTIN_ARCHS
 from ddpcli.config.common import (
     Backend,
-    from_comma_text,
-    parse_float_list,
     DatasetName,
     GpuList,
     Precision,
     check_node_rank,
+    from_comma_text,
     given,
+    parse_float_list,
     validated,
 )
 from ddpcli.errors import DdpcliError, usage_error
