@@ -8,6 +8,7 @@ start (docs/performance.md). The workers build the model (ddpcli.models).
 from __future__ import annotations
 
 from ddpcli.errors import usage_error
+from ddpcli.factories import check_timm_installed, is_factory_spec, timm_model_name
 
 BUILTIN_ARCHS = ("smallcnn", "tinycnn")
 
@@ -107,12 +108,19 @@ def installed_torchvision_classifiers() -> list[str]:
 
 
 def check_arch(name: str) -> None:
+    """A name torchvision or ddpcli knows; `timm:NAME` with timm installed. A factory
+    (`pkg.module:factory`) is checked where it is imported and built (ddpcli.preflight)."""
+    if is_factory_spec(name):
+        return
+    if timm_model_name(name) is not None:
+        check_timm_installed()
+        return
     if name in BUILTIN_ARCHS or name in KNOWN_TORCHVISION_CLASSIFIERS:
         return
     if name in installed_torchvision_classifiers():
         return
     examples = ", ".join([*BUILTIN_ARCHS, "resnet18", "resnet50", "mobilenet_v3_small"])
     raise usage_error(
-        f"invalid --arch: unknown model {name!r}; use a torchvision classifier name or a "
-        f"built-in one (e.g. {examples})"
+        f"invalid --arch: unknown model {name!r}; use a torchvision classifier name, a "
+        f"built-in one (e.g. {examples}), timm:NAME or your own pkg.module:factory"
     )

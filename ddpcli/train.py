@@ -21,6 +21,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ddpcli import ui
+from ddpcli.checkpoint.init import load_initial_weights
 from ddpcli.checkpoint.schema import (
     TrainingParts,
     TrainState,
@@ -32,6 +33,7 @@ from ddpcli.checkpoint.schema import (
 )
 from ddpcli.checkpoint.writer import CheckpointWriter, write_metrics_history
 from ddpcli.config import TrainConfig
+from ddpcli.config.train import OPTIMIZER_DEFAULTS
 from ddpcli.data.mixing import BatchMixing, build_mixing
 from ddpcli.data.pipeline import DataPipeline
 from ddpcli.data.sets import SKIPPED_IMAGES_FILE
@@ -54,7 +56,7 @@ TIMING_WARMUP_STEPS = 3  # the first steps pay for allocation and autotuning; no
 
 def build_parallel_model(cfg: TrainConfig, ctx: DistContext, num_classes: int) -> nn.Module:
     torch.manual_seed(cfg.seed)  # identical initial weights everywhere (DDP also broadcasts)
-    model = build_model(cfg.resolved_arch, num_classes).to(ctx.device)
+    model = build_model(cfg.resolved_arch, num_classes, cfg.model_args).to(ctx.device)
     if cfg.sync_bn and ctx.distributed:
         model = convert_sync_batchnorm(model, ctx.device)
     if ctx.device.type == "cuda":
@@ -63,16 +65,38 @@ def build_parallel_model(cfg: TrainConfig, ctx: DistContext, num_classes: int) -
 
 
 def build_optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
-    """SGD at the run's peak rate: --lr scaled to the global batch (`peak_lr`)."""
+    """SGD or AdamW at the run's peak rate: --lr scaled to the global batch (`peak_lr`)."""
     # No weight decay on biases, and on norms only --norm-weight-decay: the BN-net recipe.
-    groups = weight_decay_groups(model, cfg.weight_decay, cfg.norm_weight_decay)
+    groups = weight_decay_groups(model, cfg.resolved_weight_decay, cfg.norm_weight_decay)
+    lr = cfg.resolved_peak_lr
     # One fused kernel for the whole update, on GPUs and on the CPU alike: on the CPU
     # foreach is the slowest choice (measured in docs/performance.md).
-    lr = cfg.resolved_peak_lr
     try:
-        return torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum, nesterov=True, fused=True)
-    except (RuntimeError, ValueError):  # an older torch without fused SGD for this device
-        return torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum, nesterov=True)
+        return make_optimizer(cfg, groups, lr, fused=True)
+    except (RuntimeError, ValueError):  # an older torch without a fused kernel for this device
+        return make_optimizer(cfg, groups, lr)
+
+
+def make_optimizer(
+    cfg: TrainConfig, groups: list[dict[str, Any]], lr: float, **fused: bool
+) -> torch.optim.Optimizer:
+    if cfg.optimizer == "adamw":
+        betas = cfg.betas or [0.9, 0.999]
+        return torch.optim.AdamW(groups, lr=lr, betas=(betas[0], betas[1]), **fused)
+    return torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum, nesterov=True, **fused)
+
+
+def describe_optimizer(cfg: TrainConfig) -> str:
+    """`sgd (nesterov momentum 0.9, weight decay 0.0005)`; AdamW's with its betas, and
+    whether --lr-scaling is its default."""
+    decay = f"weight decay {cfg.resolved_weight_decay:g}"
+    if cfg.optimizer != "adamw":
+        return f"sgd (nesterov momentum {cfg.momentum:g}, {decay})"
+    betas = ", ".join(f"{beta:g}" for beta in cfg.betas or [])
+    scaling = cfg.resolved_lr_scaling
+    default = OPTIMIZER_DEFAULTS["adamw"]["lr_scaling"]
+    rule = f"--lr-scaling {scaling}" + (", adamw's default" if scaling == default else "")
+    return f"adamw (betas {betas}, {decay}; {rule})"
 
 
 def warmup_cosine(total_steps: int, warmup_steps: int) -> Callable[[int], float]:
@@ -195,13 +219,27 @@ class Trainer:
             )
             ui.info(f"resumed from {path} at {where} (step {self.state.step})")
 
+    def start_from_weights(self, path: Path) -> None:
+        """--init-from: every rank loads the same file into its replica before step 1."""
+        num_classes = self.data.splits.num_classes
+        report = load_initial_weights(
+            unwrap(self.model), path, num_classes, self.cfg.reset_head, self.ctx.device
+        )
+        if self.ctx.is_main:
+            ui.info(report.line())
+
     # --- training
     def fit(self) -> dict[str, Any]:
         resume_path = self.agreed_resume_path()
-        if resume_path:
+        if resume_path:  # the resumed weights replace any --init-from ones
             self.resume(resume_path)
-        elif self.cfg.resume == "auto" and self.ctx.is_main:
-            ui.info("--resume auto: no checkpoints/last.pt in the output folder; starting fresh")
+        else:
+            if self.cfg.resume == "auto" and self.ctx.is_main:
+                ui.info(
+                    "--resume auto: no checkpoints/last.pt in the output folder; starting fresh"
+                )
+            if self.cfg.init_from is not None:
+                self.start_from_weights(self.cfg.init_from)
         last = self.state.history[-1] if self.state.history else {}
         if not self.work_left():
             return last
@@ -284,6 +322,7 @@ class Trainer:
             f"accumulate {self.accumulate} = global batch {self.global_batch}"
         )
         ui.info(
+            f"{describe_optimizer(cfg)} · "
             f"{cfg.describe_lr_at(self.ctx.world_size, self.micro_total)} · linear warm-up "
             f"{self.warmup_steps} "
             f"steps, cosine decay to 0 at step {self.total_steps}"

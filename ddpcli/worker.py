@@ -19,6 +19,7 @@ from torch.distributed.elastic.multiprocessing.errors import get_error_handler, 
 
 from ddpcli import ui
 from ddpcli.config import TrainConfig
+from ddpcli.data.custom import custom_splits
 from ddpcli.data.pipeline import DataPipeline
 from ddpcli.data.sets import SKIPPED_IMAGES_FILE, load_splits
 from ddpcli.dist import DistContext, init_distributed, shutdown
@@ -59,7 +60,7 @@ def keep_data_on_device(cfg: TrainConfig, ctx: DistContext) -> bool:
     device` asks for the one-time decode (their size is unknown until decoded)."""
     if cfg.data_path != "auto":
         return cfg.data_path == "device"
-    if cfg.dataset == "imagefolder":
+    if cfg.dataset == "imagefolder" or cfg.custom_dataset:
         return False
     if ctx.device.type != "cuda":
         return True
@@ -100,7 +101,7 @@ def train_and_summarise(cfg: TrainConfig, ctx: DistContext) -> dict[str, Any]:
     cfg = finalize_for_device(cfg, ctx)
     out = cfg.resolved_out
     device_resident = keep_data_on_device(cfg, ctx)
-    splits = load_splits(cfg, ctx, device_resident)
+    splits = custom_splits(cfg) if cfg.custom_dataset else load_splits(cfg, ctx, device_resident)
     if ctx.is_main:  # a list an earlier run in this folder left would mislead
         skipped_file = out / SKIPPED_IMAGES_FILE
         skipped_file.unlink(missing_ok=True)

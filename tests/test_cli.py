@@ -176,7 +176,7 @@ def test_train_help_shows_each_default_and_the_choices():
     lines = help_lines("train")
     batch = TrainConfig.model_fields["per_gpu_batch"].default
     assert f"[default: {batch}]" in option_row(lines, "--per-gpu-batch")  # 64
-    assert "[synthetic|stl10|imagefolder]" in option_row(lines, "--dataset")
+    assert "[synthetic|stl10|imagefolder|pkg.module:factory]" in option_row(lines, "--dataset")
     assert "[default: synthetic]" in option_row(lines, "--dataset")
     assert "[ddp|dp|balanced-dp]" in option_row(lines, "--strategy")
     assert "[linear|sqrt|none]" in option_row(lines, "--lr-scaling")
@@ -192,8 +192,10 @@ def test_train_help_shows_each_default_and_the_choices():
     ) in option_row(lines, "--image-size")
     assert f"{resolve.DEFAULT_MASTER_PORT} on several nodes]" in option_row(lines, "--master-port")
     flags_without_value = {"--dry-run", "--json", "--help"}
+    from ddpcli.config.common import FLAG_SPELLINGS
+
     for name in TrainConfig.model_fields:
-        flag = f"--{name.replace('_', '-')}"
+        flag = FLAG_SPELLINGS.get(name, f"--{name.replace('_', '-')}")
         settings = name not in ("trace_samples", "peak_lr")  # peak_lr: resolved, not given
         if settings and flag not in flags_without_value:
             assert "[default: " in option_row(lines, flag), flag

@@ -19,6 +19,7 @@ from ddpcli.checkpoint.loading import (
 )
 from ddpcli.checkpoint.schema import FORMAT, TRAINING_KEYS, checkpoint_kind, weights_only_payload
 from ddpcli.errors import first_line, runtime_error, usage_error
+from ddpcli.factories import is_factory_spec, parse_factory_spec
 from ddpcli.files import atomic_save, digest_status, folder_write_problem, sha256_path
 
 BATCHNORM_STATISTICS = ("running_mean", "running_var", "num_batches_tracked")
@@ -268,7 +269,13 @@ def convert_checkpoint(
         "num_classes": classes,
         "size_bytes": out.stat().st_size,
         "sha256": digest,
-        "load_hint": load_hint(arch, classes, out, nested=keep_metadata),
+        "load_hint": load_hint(
+            arch,
+            classes,
+            out,
+            nested=keep_metadata,
+            model_args=saved.get("config", {}).get("model_args"),
+        ),
     }
 
 
@@ -283,12 +290,23 @@ def check_writable_file(out: Path) -> None:
         raise usage_error(f"invalid OUT: cannot write {out}: {problem}")
 
 
-def load_hint(arch: str | None, num_classes: int | None, out: Path, nested: bool) -> str:
+def load_hint(
+    arch: str | None,
+    num_classes: int | None,
+    out: Path,
+    nested: bool,
+    model_args: dict[str, Any] | None = None,
+) -> str:
     """The plain-PyTorch line that loads the converted file."""
     from ddpcli.models import BUILTIN_MODELS
 
     state = f"torch.load({str(out)!r}, weights_only=True)" + ('["model"]' if nested else "")
-    if arch in BUILTIN_MODELS:
+    if arch and is_factory_spec(arch):  # the user's own factory: their import, their call
+        spec = parse_factory_spec(arch, "--arch")
+        keywords = "".join(f", {key}={value!r}" for key, value in (model_args or {}).items())
+        model = f"{spec.attribute}(num_classes={num_classes or 'N'}{keywords})"
+        return f"from {spec.source} import {spec.attribute}; {model}.load_state_dict({state})"
+    elif arch in BUILTIN_MODELS:
         model = f"ddpcli.models.build_model({arch!r}, num_classes={num_classes})"
     else:
         model = f"torchvision.models.{arch or 'ARCH'}(num_classes={num_classes or 'N'})"

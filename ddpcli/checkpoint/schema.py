@@ -31,11 +31,12 @@ TRAINING_KEYS = (
 # Settings that change the arithmetic: resuming with other values cannot reproduce the run.
 # Not --max-steps: it only says where a run stops, and a resume may raise or drop it.
 RESULT_SETTINGS = (
-    "arch", "dataset", "image_size", "synthetic_size", "epochs", "per_gpu_batch", "accumulate",
-    "lr", "lr_base_batch", "lr_scaling", "momentum", "weight_decay", "warmup_epochs",
-    "label_smoothing", "seed", "precision", "augment", "norm_weight_decay", "sync_bn", "ema",
-    "ema_decay", "ema_steps", "mixup_alpha", "cutmix_alpha", "auto_augment", "random_erase",
-    "ra_reps", "train_crop_size", "val_resize_size", "val_crop_size",
+    "arch", "model_args", "dataset", "image_size", "synthetic_size", "epochs", "per_gpu_batch",
+    "accumulate", "lr", "lr_base_batch", "lr_scaling", "optimizer", "betas", "momentum",
+    "weight_decay", "warmup_epochs", "label_smoothing", "seed", "precision", "augment",
+    "norm_weight_decay", "sync_bn", "ema", "ema_decay", "ema_steps", "mixup_alpha",
+    "cutmix_alpha", "auto_augment", "random_erase", "ra_reps", "train_crop_size",
+    "val_resize_size", "val_crop_size",
 )  # fmt: skip
 
 

@@ -26,10 +26,14 @@ RECIPE = "Recipe ingredients (docs/train.md)"
 
 
 def train_option(
-    name: str, help: str | None = None, panel: str | None = None, default: str | None = None
+    name: str,
+    help: str | None = None,
+    panel: str | None = None,
+    default: str | None = None,
+    metavar: str | None = None,
 ) -> Any:
     """`--NAME` for TrainConfig's field NAME: help shows its default (or DEFAULT, in words)."""
-    return setting(TrainConfig, name, help, panel=panel, default=default)
+    return setting(TrainConfig, name, help, panel=panel, default=default, metavar=metavar)
 
 
 @app.command(no_args_is_help=False)
@@ -39,7 +43,14 @@ def train(
     ] = None,
     dataset: Annotated[
         str | None,
-        train_option("dataset", "Images to train on (stl10, imagefolder: --data-dir).", DATA),
+        train_option(
+            "dataset",
+            "Images to train on (stl10, imagefolder: --data-dir), or your own: a factory "
+            "called with data_dir= and image_size=, returning (train, val, class_names) "
+            "(docs/custom.md).",
+            DATA,
+            metavar="[synthetic|stl10|imagefolder|pkg.module:factory]",
+        ),
     ] = None,
     data_dir: Annotated[
         Path | None, train_option("data_dir", "Data folder.", DATA, default="none")
@@ -86,11 +97,36 @@ def train(
         str | None,
         train_option(
             "arch",
-            "torchvision model name or smallcnn/tinycnn.",
+            "torchvision model name, smallcnn/tinycnn, timm:NAME (needs timm), or your own "
+            "model: pkg.module:factory, pkg.module.factory or path/to/file.py:factory, called "
+            "with num_classes= and the --model-arg keywords (docs/custom.md).",
             MODEL,
             default="resnet18 on GPUs, smallcnn on the CPU",
         ),
     ] = None,
+    model_args: Annotated[
+        list[str] | None,
+        option(
+            "KEY=VALUE passed to the model's constructor; VALUE is read as TOML (4, 0.5, "
+            "true, [1,2]), else as a string. Repeatable.",
+            panel=MODEL,
+            default="none",
+            metavar="KEY=VALUE",
+            decls=("--model-arg",),
+        ),
+    ] = None,
+    init_from: Annotated[
+        Path | None,
+        train_option(
+            "init_from",
+            "Start from these weights: a ddpcli checkpoint, a `ddpcli checkpoint convert` "
+            "output or a torch.save'd state dict. Not a resume: step, optimiser and schedule "
+            "start fresh.",
+            MODEL,
+            default="none: the model's own initialisation",
+        ),
+    ] = None,
+    reset_head: Annotated[bool | None, train_option("reset_head", panel=MODEL)] = None,
     epochs: Annotated[int | None, train_option("epochs", panel=MODEL)] = None,
     per_gpu_batch: Annotated[
         int | None, train_option("per_gpu_batch", "Batch of one process.", MODEL)
@@ -104,7 +140,7 @@ def train(
             "lr",
             "Peak learning rate for a global batch of --lr-base-batch images.",
             MODEL,
-            default="0.1; 0.2 for smallcnn/tinycnn",
+            default="sgd 0.1 (0.2 for smallcnn/tinycnn); adamw 0.001",
         ),
     ] = None,
     lr_base_batch: Annotated[
@@ -117,10 +153,29 @@ def train(
             "How --lr follows the global batch (per-gpu-batch x world x accumulate): linear "
             "multiplies it by global/base, sqrt by the square root of that; none: --lr as given.",
             MODEL,
+            default="linear for sgd, sqrt for adamw",
         ),
     ] = None,
-    momentum: Annotated[float | None, train_option("momentum", panel=MODEL)] = None,
-    weight_decay: Annotated[float | None, train_option("weight_decay", panel=MODEL)] = None,
+    optimizer: Annotated[
+        str | None,
+        train_option(
+            "optimizer",
+            "sgd: Nesterov momentum; adamw: decoupled weight decay. Each brings its own "
+            "--lr, --lr-scaling and --weight-decay defaults.",
+            MODEL,
+        ),
+    ] = None,
+    momentum: Annotated[float | None, train_option("momentum", "SGD's.", MODEL)] = None,
+    betas: Annotated[
+        str | None,
+        train_option("betas", "AdamW's, as B1,B2.", MODEL, default="0.9,0.999 with adamw"),
+    ] = None,
+    weight_decay: Annotated[
+        float | None,
+        train_option(
+            "weight_decay", "Not on norms and biases.", MODEL, default="0.0005 sgd, 0.05 adamw"
+        ),
+    ] = None,
     warmup_epochs: Annotated[float | None, train_option("warmup_epochs", panel=MODEL)] = None,
     label_smoothing: Annotated[float | None, train_option("label_smoothing", panel=MODEL)] = None,
     seed: Annotated[int | None, train_option("seed", panel=MODEL)] = None,
@@ -301,6 +356,8 @@ def train(
         for key, value in locals().items()
         if key not in ("recipe", "dry_run", "json_output")
     }
+    if not model_args:  # Typer gives [] for a repeatable flag not given: a recipe's stands
+        flags["model_args"] = None
 
     def action() -> None:
         from ddpcli.config import build_train_config
@@ -315,8 +372,11 @@ def train(
             cfg = resolve_train_config(cfg, launcher)
         except DdpcliError as error:  # name where each setting it names came from
             raise with_origins(error, train_setting_origins(flags, recipe)) from None
+        from ddpcli.preflight import preflight
+
+        built = preflight(cfg)  # the user's own code runs here first: exit 2 before workers
         if dry_run:
-            show_config(cfg, json_output)
+            show_config(cfg, json_output, built)
             return
         from ddpcli.checkpoint.schema import check_resume_source
         from ddpcli.launch import launch_train
@@ -375,9 +435,9 @@ def stopped_early(summary: dict) -> DdpcliError:
     )
 
 
-def show_config(cfg, json_output: bool) -> None:
+def show_config(cfg, json_output: bool, built: dict | None = None) -> None:
     document = cfg.model_dump(mode="json")
-    document.update(world_size=cfg.world_size, global_batch=cfg.global_batch)
+    document.update(world_size=cfg.world_size, global_batch=cfg.global_batch, **(built or {}))
     if json_output:
         ui.print_json(document)
         return

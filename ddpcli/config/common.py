@@ -59,6 +59,10 @@ def check_node_rank(node_rank: int, nnodes: int) -> None:
         )
 
 
+# Fields whose flag is not `--` + the field's name (a repeatable flag names one item).
+FLAG_SPELLINGS = {"model_args": "--model-arg"}
+
+
 def describe_validation_error(error: ValidationError) -> str:
     """One line per problem, naming the flag and what is allowed."""
     lines: list[str] = []
@@ -71,7 +75,7 @@ def describe_validation_error(error: ValidationError) -> str:
         if not field:  # a rule across fields: its message names the flags itself
             lines.append(message)
             continue
-        flag = f"--{field.replace('_', '-')}"
+        flag = FLAG_SPELLINGS.get(field, f"--{field.replace('_', '-')}")
         given = problem.get("input")
         shown = "" if isinstance(given, dict) else f" (got {given!r})"
         lines.append(f"invalid {flag}: {message}{shown}")

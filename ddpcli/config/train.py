@@ -13,9 +13,17 @@ import re
 import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_validator,
+)
 
 from ddpcli.archs import BUILTIN_ARCHS
 from ddpcli.config.common import (
@@ -24,10 +32,13 @@ from ddpcli.config.common import (
     GpuList,
     Precision,
     check_node_rank,
+    from_comma_text,
     given,
+    parse_float_list,
     validated,
 )
 from ddpcli.errors import DdpcliError, usage_error
+from ddpcli.factories import is_factory_spec
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -42,6 +53,7 @@ TRACE_SAMPLES_VARIABLE = "DDPCLI_TRACE_SAMPLES"
 MIN_TIMEOUT_S = 1.0
 
 LrScaling = Literal["linear", "sqrt", "none"]
+Optimizer = Literal["sgd", "adamw"]
 
 # --lr's default, per 256 images: the ResNet-with-SGD reference rate for torchvision's
 # models; the built-in small nets (three BN conv layers) learn best at twice it, measured on
@@ -50,7 +62,20 @@ REFERENCE_LR = 0.1
 BUILTIN_NET_LR = 0.2
 
 
-def default_lr(arch: str) -> float:
+# AdamW: a common starting rate per 256 images (timm's and DeiT's recipes sit near it),
+# grown with the square root of the batch as timm does for adaptive optimisers; its
+# decoupled weight decay needs a far larger coefficient than SGD's L2 term to matter.
+ADAMW_LR = 1e-3
+# What each optimiser uses unless the flags or the recipe say otherwise.
+OPTIMIZER_DEFAULTS: dict[str, dict[str, Any]] = {
+    "sgd": {"lr_scaling": "linear", "weight_decay": 5e-4},
+    "adamw": {"lr_scaling": "sqrt", "weight_decay": 0.05, "betas": [0.9, 0.999]},
+}
+
+
+def default_lr(arch: str, optimizer: str = "sgd") -> float:
+    if optimizer == "adamw":
+        return ADAMW_LR
     return BUILTIN_NET_LR if arch in BUILTIN_ARCHS else REFERENCE_LR
 
 
@@ -77,13 +102,54 @@ def describe_lr(lr: float, global_batch: int, base_batch: int, rule: LrScaling) 
     return f"lr {lr:g} per {base_batch} images -> {peak:g} at global batch {global_batch} ({rule})"
 
 
+def toml_value(text: str) -> Any:
+    """`4` -> 4, `0.5` -> 0.5, `true` -> True, `[1, 2]` -> [1, 2], `"relu"` -> "relu"; text
+    that is not a TOML value (`relu`) is taken as the string it is."""
+    try:
+        return tomllib.loads(f"value = {text.strip()}")["value"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def parse_model_args(value: Any) -> Any:
+    """`--model-arg KEY=VALUE`, repeatable, as a dict; a recipe may give the table itself."""
+    if not isinstance(value, (list, tuple)):
+        return value
+    parsed: dict[str, Any] = {}
+    for item in value:
+        key, equals, text = str(item).partition("=")
+        key = key.strip()
+        if not equals or not key.isidentifier():
+            raise ValueError("give KEY=VALUE with KEY a keyword of the factory, e.g. depth=4")
+        if key in parsed:
+            raise ValueError(f"{key} is given twice; keep one")
+        parsed[key] = toml_value(text)
+    return parsed
+
+
+def _valid_betas(value: list[float]) -> list[float]:
+    if len(value) != 2 or not all(0 <= beta < 1 for beta in value):
+        raise ValueError("give two numbers in [0, 1), e.g. --betas 0.9,0.999")
+    return value
+
+
+# `--betas 0.9,0.999`: AdamW's moving-average coefficients.
+Betas = Annotated[
+    list[float], from_comma_text(parse_float_list, "betas"), AfterValidator(_valid_betas)
+]
+
+# `--model-arg depth=4 --model-arg act=relu`: keywords for the model's constructor.
+ModelArgs = Annotated[dict[str, Any], BeforeValidator(parse_model_args)]
+
+
 class TrainConfig(BaseModel):
     """Everything `ddpcli train` needs. Field names are the flags with `_` for `-`."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
     # data
-    dataset: DatasetName = "synthetic"
+    # A built-in set's name, or the user's own factory (`pkg.module:factory`).
+    dataset: str = "synthetic"
     data_dir: Path | None = None
     download: bool = False
     image_size: int | None = Field(None, ge=8, le=1024)
@@ -119,14 +185,28 @@ class TrainConfig(BaseModel):
     val_crop_size: int | None = Field(None, ge=8, le=1024)
     # model and optimisation
     arch: str | None = None
+    model_args: ModelArgs = Field(default_factory=dict)
+    init_from: Path | None = Field(
+        None,
+        description="start from these weights (a ddpcli checkpoint, a `checkpoint convert` "
+        "output or a state dict); not a resume: step, optimiser and schedule start fresh",
+    )
+    reset_head: bool = Field(
+        False,
+        description="with --init-from: leave the final classifier as built, for another "
+        "number of classes (fine-tuning)",
+    )
     epochs: int = Field(5, ge=1)
     per_gpu_batch: int = Field(64, ge=1)
     accumulate: int = Field(1, ge=1)
     lr: float | None = Field(None, gt=0)  # None: default_lr(arch), set once the arch is known
     lr_base_batch: int = Field(256, ge=1)
-    lr_scaling: LrScaling = "linear"
+    # None below: the optimiser's default (OPTIMIZER_DEFAULTS), filled in with it.
+    lr_scaling: LrScaling | None = None
+    optimizer: Optimizer = "sgd"
     momentum: float = Field(0.9, ge=0, lt=1)
-    weight_decay: float = Field(5e-4, ge=0)
+    betas: Betas | None = None
+    weight_decay: float | None = Field(None, ge=0)
     warmup_epochs: float = Field(1.0, ge=0)
     label_smoothing: float = Field(0.0, ge=0, lt=1)
     norm_weight_decay: float = Field(
@@ -207,6 +287,23 @@ class TrainConfig(BaseModel):
             return value
         raise ValueError("use env://, tcp://HOST:PORT or file:///ABSOLUTE/PATH")
 
+    @field_validator("dataset")
+    @classmethod
+    def _dataset_name(cls, value: str) -> str:
+        if value in get_args(DatasetName) or is_factory_spec(value):
+            return value
+        raise ValueError(
+            "use synthetic, stl10, imagefolder, or your own data set as pkg.module:factory "
+            "(docs/custom.md)"
+        )
+
+    @field_validator("model_args")
+    @classmethod
+    def _model_args(cls, value: dict[str, Any]) -> dict[str, Any]:
+        if "num_classes" in value:
+            raise ValueError("num_classes comes from the data set's classes; leave it out")
+        return value
+
     @field_validator("resume")
     @classmethod
     def _resume_value(cls, value: str | None) -> str | None:
@@ -215,10 +312,22 @@ class TrainConfig(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _lr_for_arch(cls, data: Any) -> Any:
-        """--lr's default depends on the model, so it is filled in with the arch."""
+        """--lr's default depends on the model and the optimiser, so it is filled in with
+        the arch."""
         if isinstance(data, dict) and data.get("lr") is None and data.get("arch"):
-            return {**data, "lr": default_lr(data["arch"])}
+            return {**data, "lr": default_lr(data["arch"], data.get("optimizer") or "sgd")}
         return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _optimizer_defaults(cls, data: Any) -> Any:
+        """--lr-scaling, --weight-decay and --betas default to the optimiser's values; an
+        unknown optimiser is left for the field's own check to name."""
+        if not isinstance(data, dict):
+            return data
+        defaults = OPTIMIZER_DEFAULTS.get(data.get("optimizer") or "sgd", {})
+        missing = {key: value for key, value in defaults.items() if data.get(key) is None}
+        return {**data, **missing}
 
     @field_validator("timeout")
     @classmethod
@@ -235,8 +344,17 @@ class TrainConfig(BaseModel):
         check_node_rank(self.node_rank, self.nnodes)
         if self.cpu and self.gpus:
             raise ValueError("invalid --cpu: --cpu and --gpus exclude each other; pick one")
-        if self.dataset != "synthetic" and self.data_dir is None:
+        if self.dataset in ("stl10", "imagefolder") and self.data_dir is None:
             raise ValueError(f"invalid --data-dir: --dataset {self.dataset} needs --data-dir DIR")
+        if self.betas is not None and self.optimizer != "adamw":
+            raise ValueError("invalid --betas: they are AdamW's; add --optimizer adamw")
+        if self.reset_head and self.init_from is None:
+            raise ValueError("invalid --reset-head: it applies to the weights of --init-from PATH")
+        if self.custom_dataset and self.data_path == "device":
+            raise ValueError(
+                "invalid --data-path: device holds the built-in sets in device memory; your own "
+                "--dataset streams through the loader (--data-path loader or auto)"
+            )
         if self.strategy == "balanced-dp" and self.gpu0_batch is None:
             raise ValueError("invalid --gpu0-batch: --strategy balanced-dp needs --gpu0-batch N")
         if self.sync_bn and self.strategy != "ddp":
@@ -252,6 +370,11 @@ class TrainConfig(BaseModel):
         return self
 
     # Values derived from the config, never stored twice.
+    @property
+    def custom_dataset(self) -> bool:
+        """--dataset names the user's own factory, not a built-in set."""
+        return is_factory_spec(self.dataset)
+
     @property
     def uses_gpus(self) -> bool:
         return not self.cpu and bool(self.gpus)
@@ -279,11 +402,15 @@ class TrainConfig(BaseModel):
     def peak_lr_at(self, world_size: int, micro_batches_per_epoch: int | None = None) -> float:
         """--lr scaled by --lr-scaling to this run's global batch (see `scaled_lr`)."""
         global_batch = self.global_batch_at(world_size, micro_batches_per_epoch)
-        return scaled_lr(self.resolved_lr, global_batch, self.lr_base_batch, self.lr_scaling)
+        return scaled_lr(
+            self.resolved_lr, global_batch, self.lr_base_batch, self.resolved_lr_scaling
+        )
 
     def describe_lr_at(self, world_size: int, micro_batches_per_epoch: int | None = None) -> str:
         global_batch = self.global_batch_at(world_size, micro_batches_per_epoch)
-        return describe_lr(self.resolved_lr, global_batch, self.lr_base_batch, self.lr_scaling)
+        return describe_lr(
+            self.resolved_lr, global_batch, self.lr_base_batch, self.resolved_lr_scaling
+        )
 
     # Settings `ddpcli.resolve` fills in before any worker starts: None only until then.
     @property
@@ -313,6 +440,14 @@ class TrainConfig(BaseModel):
     @property
     def resolved_val_crop_size(self) -> int:
         return self.val_crop_size or self.resolved_image_size
+
+    @property
+    def resolved_lr_scaling(self) -> LrScaling:
+        return _resolved(self.lr_scaling, "lr_scaling")
+
+    @property
+    def resolved_weight_decay(self) -> float:
+        return _resolved(self.weight_decay, "weight_decay")
 
     @property
     def resolved_lr(self) -> float:

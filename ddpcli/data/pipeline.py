@@ -19,6 +19,7 @@ from torch.utils.data import DistributedSampler
 from ddpcli.config import TrainConfig
 from ddpcli.data.augment import Augment, training_augment
 from ddpcli.data.autoaugment import policy_transform
+from ddpcli.data.custom import CustomDataset, CustomSplits
 from ddpcli.data.device import DeviceResidentBatches
 from ddpcli.data.erasing import ErasedBatches
 from ddpcli.data.loader import (
@@ -102,7 +103,13 @@ def on_device(image_set: ImageSet, device: torch.device) -> ImageSet:
 class DataPipeline:
     """Train and validation batches for this rank, whichever path they come from."""
 
-    def __init__(self, splits: Splits, cfg: TrainConfig, ctx: DistContext, device_resident: bool):
+    def __init__(
+        self,
+        splits: Splits | CustomSplits,
+        cfg: TrainConfig,
+        ctx: DistContext,
+        device_resident: bool,
+    ):
         self.splits = splits
         self.cfg = cfg
         self.ctx = ctx
@@ -117,7 +124,7 @@ class DataPipeline:
         self.device_resident = device_resident and isinstance(splits, MemorySplits)
         if isinstance(splits, MemorySplits) and cfg.dataset != "imagefolder":
             self.mean, self.std = channel_stats(splits.train.images)
-        else:  # image folders, streamed or decoded once
+        else:  # image folders, streamed or decoded once, and the user's own sets
             self.mean, self.std = IMAGENET_MEAN, IMAGENET_STD
         self.workers = (
             cfg.workers if cfg.workers is not None else default_workers(ctx.local_world_size)
@@ -126,6 +133,8 @@ class DataPipeline:
         self.trace_file = trace.with_name(f"{trace.name}.rank{ctx.rank}") if trace else None
         if isinstance(splits, FolderSplits):
             self._stream_folders(splits)
+        elif isinstance(splits, CustomSplits):
+            self._stream_custom(splits)
         elif self.device_resident:
             self._hold_on_device(splits)
         else:
@@ -154,6 +163,16 @@ class DataPipeline:
         self._start_loaders(
             FolderDataset(splits.train_samples, size, seed, self.augment, **self.recipe()),
             FolderDataset(splits.val_samples, size, seed, "none", view=view),
+        )
+
+    def _stream_custom(self, splits: CustomSplits) -> None:
+        cfg = self.cfg
+        size, classes = cfg.resolved_image_size, splits.num_classes
+        self._start_loaders(
+            CustomDataset(
+                splits.train, "train", cfg.dataset, classes, size, cfg.seed, self.augment
+            ),
+            CustomDataset(splits.val, "val", cfg.dataset, classes, size, cfg.seed, "none"),
         )
 
     def _start_loaders(self, train: KeyedImages, val: KeyedImages) -> None:

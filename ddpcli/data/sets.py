@@ -480,7 +480,8 @@ def load_splits(cfg: TrainConfig, ctx: DistContext, device_resident: bool) -> Sp
 
 def check_data_source(cfg: TrainConfig) -> None:
     """The data set named by the flags is there (or can be fetched): exit 2 otherwise."""
-    if cfg.dataset == "synthetic" or cfg.data_dir is None:
+    # The user's own factory reads --data-dir as it likes (a folder, a CSV file, nothing).
+    if cfg.dataset == "synthetic" or cfg.custom_dataset or cfg.data_dir is None:
         return
     if not cfg.data_dir.is_dir() and not (cfg.dataset == "stl10" and cfg.download):
         hint = "; add --download to fetch STL-10 into it" if cfg.dataset == "stl10" else ""
