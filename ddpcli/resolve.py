@@ -63,10 +63,24 @@ def resolve_train_config(cfg: TrainConfig, launcher: LauncherEnv | None) -> Trai
         check_interface(cfg.ifname)
     if launcher is None or launcher.rank == 0:
         check_init_file(cfg)
+    values["world_from"] = world_origin(cfg, launcher)
     resolved = TrainConfig(**values)
     # What --dry-run shows; every worker computes it again from the world it joined.
     world_size = launcher.world_size if launcher is not None else resolved.world_size
     return resolved.model_copy(update={"peak_lr": resolved.peak_lr_at(world_size)})
+
+
+def world_origin(cfg: TrainConfig, launcher: LauncherEnv | None) -> str:
+    """Where the world came from, in words, for the run's header."""
+    if launcher is not None:
+        named = {"slurm": "SLURM's srun (SLURM_PROCID, SLURM_NTASKS)"}
+        return named.get(launcher.launcher, f"a launcher's RANK/WORLD_SIZE ({launcher.launcher})")
+    where = cfg.world_from or "the command line"
+    if cfg.elastic:
+        host, port = cfg.rendezvous_address(DEFAULT_MASTER_PORT)
+        nodes = f"{cfg.min_nnodes or cfg.nnodes}:{cfg.nnodes}"
+        return f"{where}; c10d rendezvous of {nodes} nodes at {host}:{port}"
+    return where
 
 
 def default_out_dir() -> Path:
@@ -146,6 +160,11 @@ def resolve_agent_address(values: dict[str, Any]) -> None:
     With tcp://HOST:PORT the workers' process group listens on PORT itself, so the agents
     default to HOST and PORT+1: two ports, derived the same way on every node."""
     method = values["init_method"] or ""
+    if values["min_nnodes"] is not None and method:
+        raise usage_error(
+            "invalid --init-method: with --nnodes MIN:MAX the c10d rendezvous decides who "
+            "the workers meet; leave --init-method out"
+        )
     if not method.startswith("tcp://"):
         if values["nnodes"] > 1 and values["master_port"] is None:
             values["master_port"] = DEFAULT_MASTER_PORT
