@@ -258,3 +258,26 @@ def test_only_the_per_node_settings_may_differ():
         "nproc": {"unset": ["node 0"], "4": ["node 1"]},
         "nproc_per_node": {"2": ["node 0"], "4": ["node 1"]},
     }
+
+
+# --- One run folder, several nodes ---------------------------------------------------------
+
+
+def test_two_nodes_sharing_out_write_one_run(tmp_path):
+    """Two nodes of one job on one machine pass the same --out (a shared file system): the
+    folder admits both, they finish, and rank 0's run is the one there."""
+    port, out = free_port(), tmp_path / "shared"
+    base = [
+        sys.executable, "-m", "ddpcli", "train", *ONE_EPOCH, "--nproc", "1", "--nnodes", "2",
+        "--master-addr", "127.0.0.1", "--master-port", str(port), "--timeout", "60",
+        "--out", str(out),
+    ]  # fmt: skip
+    commands = [[*base, "--node-rank", str(rank)] for rank in (1, 0)]  # node 1 locks first
+    with nodes(commands) as (node1, node0):
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        codes = [node.finish(deadline - time.monotonic()) for node in (node0, node1)]
+    assert codes == [0, 0], (node0.stderr[-2000:], node1.stderr[-2000:])
+    metrics = read_metrics(out)
+    assert len(metrics) == 1 and metrics[0]["world_size"] == 2
+    assert json.loads((out / "config.json").read_text())["nnodes"] == 2
+    assert "node 1 finished" in node1.stderr
