@@ -13,6 +13,7 @@ from typing import Any
 
 from ddpcli.archs import check_arch
 from ddpcli.config import TrainConfig
+from ddpcli.config.common import elastic_rendezvous
 from ddpcli.data.augment import training_augment
 from ddpcli.data.sets import STL10_SIDE, check_data_source
 from ddpcli.environments import LauncherEnv
@@ -160,7 +161,7 @@ def resolve_agent_address(values: dict[str, Any]) -> None:
     With tcp://HOST:PORT the workers' process group listens on PORT itself, so the agents
     default to HOST and PORT+1: two ports, derived the same way on every node."""
     method = values["init_method"] or ""
-    if values["min_nnodes"] is not None and method:
+    if cfg_is_elastic(values) and method:
         raise usage_error(
             "invalid --init-method: with --nnodes MIN:MAX the c10d rendezvous decides who "
             "the workers meet; leave --init-method out"
@@ -181,6 +182,10 @@ def resolve_agent_address(values: dict[str, Any]) -> None:
             f"invalid --master-port: {port} is the --init-method port, where the workers' "
             "process group listens; the node agents need another one (or leave it out)"
         )
+
+
+def cfg_is_elastic(values: dict[str, Any]) -> bool:
+    return elastic_rendezvous(values["min_nnodes"], values["nnodes"], values["rdzv_backend"])
 
 
 def check_init_file(cfg: TrainConfig) -> None:

@@ -55,7 +55,7 @@ class Holder:
         return f"{text}, member {self.member} of job {self.job}" if self.job else text
 
 
-def membership(cfg: TrainConfig, launcher: LauncherEnv | None) -> tuple[str | None, int]:
+def membership(cfg: TrainConfig, launcher: LauncherEnv | None) -> tuple[str | None, int | str]:
     """This process's job key and its place in the job: every node of one multi-node job
     (or every rank under an outside launcher) derives the same key."""
     if launcher is not None:
