@@ -147,8 +147,9 @@ def resume_warnings(payload: dict[str, Any], config: dict[str, Any], world_size:
     rate_note = rate_change(saved, payload["world_size"], config, world_size)
     if payload["world_size"] != world_size:  # one line: the new world, its batch, its rate
         notes.append(
-            f"world changed: {payload['world_size']} -> {world_size} ranks"
-            + (f", {rate_note}" if rate_note else "")
+            f"world changed: the checkpoint was written by {payload['world_size']} ranks, this "
+            f"run has {world_size}"
+            + (f"; {rate_note}" if rate_note else "")
             + "; the data order (and each rank's RNG) from here on differs from the original run"
         )
     elif rate_note:
