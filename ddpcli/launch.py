@@ -32,6 +32,7 @@ from ddpcli.errors import (
     usage_error,
 )
 from ddpcli.machine import cpu_count
+from ddpcli.membership import advertised_address, c10d_settings
 from ddpcli.process import freeze_imported_objects
 from ddpcli.resources import capacity_warnings
 from ddpcli.rollcall import (
@@ -154,6 +155,12 @@ class WorkerJob:
     settings: dict[str, str] = field(default_factory=dict)
     # `ddpcli train`'s --timeout also bounds every collective; a user's script sets its own.
     timeout_bounds_collectives: bool = True
+    # Elastic membership: the c10d rendezvous's endpoint (None: static, by --node-rank), the
+    # fewest nodes it starts with (None: exactly nnodes), the job's name, this host's NIC.
+    rendezvous: tuple[str, int] | None = None
+    min_nnodes: int | None = None
+    rdzv_id: str | None = None
+    ifname: str | None = None
 
     @property
     def agent_port(self) -> int:
@@ -169,7 +176,13 @@ def launch_config(job: WorkerJob, scratch: str) -> LaunchConfig:
     from torch.distributed.launcher.api import LaunchConfig
 
     timeout = max(1, int(job.timeout_s))
-    if job.nnodes == 1 and job.master_port is None:
+    local_addr = None
+    if job.rendezvous is not None:
+        host, port = job.rendezvous
+        backend, endpoint = "c10d", f"{host}:{port}"
+        rdzv_configs = c10d_settings(host, timeout)
+        local_addr = advertised_address(job.ifname, host)
+    elif job.nnodes == 1 and job.master_port is None:
         # Port 0: the rendezvous store binds a free port, so runs on one machine never collide.
         backend, endpoint, rdzv_configs = "c10d", "127.0.0.1:0", {"timeout": timeout}
     else:
@@ -186,10 +199,11 @@ def launch_config(job: WorkerJob, scratch: str) -> LaunchConfig:
         # directory for every run, and never removes it.
         logs = DefaultLogsSpecs(log_dir=scratch)
     return LaunchConfig(
-        min_nodes=job.nnodes,
+        min_nodes=job.min_nnodes or job.nnodes,
         max_nodes=job.nnodes,
         nproc_per_node=job.nproc_per_node,
-        run_id=f"ddpcli-{uuid.uuid4().hex[:8]}" if job.nnodes == 1 else "ddpcli",
+        run_id=job.rdzv_id or (f"ddpcli-{uuid.uuid4().hex[:8]}" if job.nnodes == 1 else "ddpcli"),
+        local_addr=local_addr,
         rdzv_backend=backend,
         rdzv_endpoint=endpoint,
         rdzv_configs=rdzv_configs,
@@ -232,7 +246,9 @@ def run_workers(job: WorkerJob, debug: bool = False) -> None:
         logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     os.environ.update(job.env)  # inherited by the workers, before any of them starts CUDA
     os.environ["DDPCLI_AGENT_PID"] = str(os.getpid())  # workers die with us (process.py)
-    store = roll_call(job) if job.nnodes > 1 else None  # noqa: F841 - keeps the server alive
+    # Elastic hosts have no node rank to answer a roll call by: the rendezvous bounds them.
+    static_nodes = job.nnodes > 1 and job.rendezvous is None
+    store = roll_call(job) if static_nodes else None  # noqa: F841 - keeps the server alive
     try:
         with tempfile.TemporaryDirectory(prefix="ddpcli-agent-") as scratch:
             config = launch_config(job, scratch)
@@ -244,6 +260,14 @@ def run_workers(job: WorkerJob, debug: bool = False) -> None:
         raise JobStopped(received.sigval) from None
     except Exception as error:  # rendezvous errors: the world never formed
         name = type(error).__name__
+        if job.rendezvous is not None and ("Rendezvous" in name or "Timeout" in name):
+            host, port = job.rendezvous
+            raise runtime_error(
+                f"the job never formed: {name} after {job.timeout_s:g}s waiting for "
+                f"{job.min_nnodes or job.nnodes} to {job.nnodes} host(s) at the c10d rendezvous "
+                f"{host}:{port} ({first_line(error)}); start the same command on enough hosts, "
+                "check that the endpoint's host runs it too, or raise --timeout"
+            ) from error
         if "Rendezvous" in name or "Timeout" in name:
             raise runtime_error(
                 f"the job never formed: {name} after {job.timeout_s:g}s waiting for "
@@ -354,6 +378,7 @@ def check_same_settings(roll: RollCall, node_rank: int) -> None:
 PER_NODE_SETTINGS = frozenset({
     "node_rank", "gpus", "data_dir", "data_path", "workers", "download", "out", "resume",
     "log_dir", "trace_samples", "ifname", "master_addr", "master_port", "init_method", "timeout",
+    "world_from",
 })  # fmt: skip
 SETTING_LABELS = {"nproc_per_node": "processes per node (--nproc, or the GPUs listed)"}
 
@@ -391,14 +416,21 @@ def _launch_elastic(cfg: TrainConfig, debug: bool) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="ddpcli-launch-") as private:
         request = Path(private) / "config.json"
         request.write_text(cfg.model_dump_json())
+        master_addr, master_port = cfg.master_addr, cfg.master_port
+        if cfg.rdzv_endpoint:  # --rdzv-endpoint names node 0's agent of a static job too
+            master_addr, master_port = cfg.rendezvous_address(DEFAULT_MASTER_PORT)
         job = WorkerJob(
             module=WORKER_MODULE,
             args=[str(request), str(out)],  # the second names the run for `ps`, unread
             nproc_per_node=cfg.nproc_per_node,
             nnodes=cfg.nnodes,
             node_rank=cfg.node_rank,
-            master_addr=cfg.master_addr,
-            master_port=cfg.master_port,
+            master_addr=master_addr,
+            master_port=master_port,
+            rendezvous=cfg.rendezvous_address(DEFAULT_MASTER_PORT) if cfg.elastic else None,
+            min_nnodes=cfg.min_nnodes,
+            rdzv_id=cfg.rdzv_id,
+            ifname=cfg.ifname,
             timeout_s=cfg.timeout,
             max_restarts=cfg.max_restarts,
             env={**train_environment(cfg), **({"DDPCLI_DEBUG": "1"} if debug else {})},

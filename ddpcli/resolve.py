@@ -13,6 +13,7 @@ from typing import Any
 
 from ddpcli.archs import check_arch
 from ddpcli.config import TrainConfig
+from ddpcli.config.common import elastic_rendezvous
 from ddpcli.data.augment import training_augment
 from ddpcli.data.sets import STL10_SIDE, check_data_source, resize_side
 from ddpcli.environments import LauncherEnv
@@ -64,6 +65,7 @@ def resolve_train_config(cfg: TrainConfig, launcher: LauncherEnv | None) -> Trai
         check_interface(cfg.ifname)
     if launcher is None or launcher.rank == 0:
         check_init_file(cfg)
+    values["world_from"] = world_origin(cfg, launcher)
     resolved = TrainConfig(**values)
     # What --dry-run shows; every worker computes it again from the world it joined.
     world_size = launcher.world_size if launcher is not None else resolved.world_size
@@ -107,6 +109,19 @@ def check_ra_reps(ra_reps: int, world_size: int) -> None:
             f"invalid --ra-reps: {ra_reps} copies of each image go to {ra_reps} different ranks, "
             f"but the world has {world_size}; lower --ra-reps to {world_size} or add processes"
         )
+
+
+def world_origin(cfg: TrainConfig, launcher: LauncherEnv | None) -> str:
+    """Where the world came from, in words, for the run's header."""
+    if launcher is not None:
+        named = {"slurm": "SLURM's srun (SLURM_PROCID, SLURM_NTASKS)"}
+        return named.get(launcher.launcher, f"a launcher's RANK/WORLD_SIZE ({launcher.launcher})")
+    where = cfg.world_from or "the command line"
+    if cfg.elastic:
+        host, port = cfg.rendezvous_address(DEFAULT_MASTER_PORT)
+        nodes = f"{cfg.min_nnodes or cfg.nnodes}:{cfg.nnodes}"
+        return f"{where}; c10d rendezvous of {nodes} nodes at {host}:{port}"
+    return where
 
 
 def default_out_dir() -> Path:
@@ -186,6 +201,11 @@ def resolve_agent_address(values: dict[str, Any]) -> None:
     With tcp://HOST:PORT the workers' process group listens on PORT itself, so the agents
     default to HOST and PORT+1: two ports, derived the same way on every node."""
     method = values["init_method"] or ""
+    if cfg_is_elastic(values) and method:
+        raise usage_error(
+            "invalid --init-method: with --nnodes MIN:MAX the c10d rendezvous decides who "
+            "the workers meet; leave --init-method out"
+        )
     if not method.startswith("tcp://"):
         if values["nnodes"] > 1 and values["master_port"] is None:
             values["master_port"] = DEFAULT_MASTER_PORT
@@ -202,6 +222,10 @@ def resolve_agent_address(values: dict[str, Any]) -> None:
             f"invalid --master-port: {port} is the --init-method port, where the workers' "
             "process group listens; the node agents need another one (or leave it out)"
         )
+
+
+def cfg_is_elastic(values: dict[str, Any]) -> bool:
+    return elastic_rendezvous(values["min_nnodes"], values["nnodes"], values["rdzv_backend"])
 
 
 def check_init_file(cfg: TrainConfig) -> None:

@@ -26,6 +26,7 @@ from typing import Any
 
 from ddpcli import ui
 from ddpcli.config import TrainConfig
+from ddpcli.config.checkenv import DEFAULT_MASTER_PORT
 from ddpcli.environments import LauncherEnv, restarted_by
 from ddpcli.errors import usage_error
 from ddpcli.steplog import TENSORBOARD_DIR
@@ -44,7 +45,9 @@ class Holder:
     host: str
     pid: int
     job: str | None  # None: a run of its own, which admits no one
-    member: int  # node rank (our launcher) or rank (an outside launcher) within the job
+    # node rank (our launcher), rank (an outside launcher), or host and pid (an elastic
+    # job, whose nodes have no rank until they meet) within the job
+    member: int | str
     started: str
 
     def words(self) -> str:
@@ -52,28 +55,35 @@ class Holder:
         return f"{text}, member {self.member} of job {self.job}" if self.job else text
 
 
-def membership(cfg: TrainConfig, launcher: LauncherEnv | None) -> tuple[str | None, int]:
+def membership(cfg: TrainConfig, launcher: LauncherEnv | None) -> tuple[str | None, int | str]:
     """This process's job key and its place in the job: every node of one multi-node job
     (or every rank under an outside launcher) derives the same key."""
     if launcher is not None:
         key = f"{launcher.master_addr}:{launcher.master_port}, world size {launcher.world_size}"
         return (key if launcher.world_size > 1 else None), launcher.rank
-    if cfg.nnodes > 1:
-        return f"{cfg.master_addr}:{cfg.master_port}, {cfg.nnodes} nodes", cfg.node_rank
-    return None, 0
+    if cfg.nnodes == 1:
+        return None, 0
+    host, port = cfg.rendezvous_address(DEFAULT_MASTER_PORT)
+    key = f"rendezvous {cfg.rdzv_id or 'ddpcli'} at {host}:{port}"
+    if cfg.elastic:
+        return f"{key}, {cfg.min_nnodes or cfg.nnodes}:{cfg.nnodes} nodes", (
+            f"{socket.gethostname()} pid {os.getpid()}"
+        )
+    return f"{key}, {cfg.nnodes} nodes", cfg.node_rank
 
 
 class RunFolderLock:
     """An exclusive flock on OUT/.lock, held by this process until `release`."""
 
-    def __init__(self, out: Path, job: str | None, member: int) -> None:
+    def __init__(self, out: Path, job: str | None, member: int | str) -> None:
         self.path = out / LOCK_FILE
         self.job = job
         self.member = member
         self.fd: int | None = None
 
-    def acquire(self) -> None:
-        """Take the lock, or be admitted to the holder's job; else exit 2 naming the holder."""
+    def acquire(self) -> bool:
+        """Take the lock (True), or be admitted to the holder's job (False); else exit 2
+        naming the holder."""
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -81,12 +91,13 @@ class RunFolderLock:
             os.close(fd)
             if error.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
                 self.check_admitted(read_holder(self.path))
-            else:  # a file system without locks (some NFS mounts): say so, run on
-                ui.warn(
-                    f"cannot lock {self.path} ({error.strerror}): nothing stops a second run "
-                    "from writing into the same --out"
-                )
-            return
+                return False
+            # a file system without locks (some NFS mounts): say so, run on
+            ui.warn(
+                f"cannot lock {self.path} ({error.strerror}): nothing stops a second run "
+                "from writing into the same --out"
+            )
+            return True
         holder = Holder(
             host=socket.gethostname(),
             pid=os.getpid(),
@@ -97,6 +108,7 @@ class RunFolderLock:
         os.ftruncate(fd, 0)
         os.write(fd, (json.dumps(asdict(holder)) + "\n").encode())
         self.fd = fd
+        return True
 
     def check_admitted(self, holder: Holder | None) -> None:
         same_job = holder is not None and self.job is not None and holder.job == self.job
@@ -131,7 +143,7 @@ def read_holder(path: Path) -> Holder | None:
 @contextlib.contextmanager
 def claim_run_folder(cfg: TrainConfig, launcher: LauncherEnv | None) -> Iterator[None]:
     """For the run's life: --out is this run's (locked), and an earlier run in it was
-    continued (--resume), cleared (--overwrite, by rank 0's process only) or refused."""
+    continued (--resume), cleared (--overwrite, by the lock's holder only) or refused."""
     out = cfg.resolved_out
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -139,13 +151,14 @@ def claim_run_folder(cfg: TrainConfig, launcher: LauncherEnv | None) -> Iterator
         raise usage_error(f"invalid --out: cannot create {out} ({error.strerror})") from None
     job, member = membership(cfg, launcher)
     lock = RunFolderLock(out, job, member)
-    lock.acquire()
+    # A member admitted to the holder's job leaves the earlier-run rules to the holder: what
+    # it finds in OUT may be this very job's (an elastic host joining a running job).
+    holds = lock.acquire()
     try:
-        if cfg.resume is None:
-            writes_outputs = member == 0
-            if cfg.overwrite and writes_outputs:
+        if cfg.resume is None and holds:
+            if cfg.overwrite:
                 clear_earlier_run(out)
-            elif not cfg.overwrite:
+            else:
                 refuse_earlier_run(out)
         yield
     finally:

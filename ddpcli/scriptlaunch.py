@@ -14,7 +14,13 @@ from pathlib import Path
 from ddpcli.checkenv.network import port_holder, port_is_free
 from ddpcli.config import ScriptLaunchConfig
 from ddpcli.errors import DdpcliError, usage_error
-from ddpcli.launch import JobStopped, WorkerJob, run_workers, worker_environment
+from ddpcli.launch import (
+    DEFAULT_MASTER_PORT,
+    JobStopped,
+    WorkerJob,
+    run_workers,
+    worker_environment,
+)
 from ddpcli.machine import check_gpu_indices, check_interface, physical_gpu_count
 
 BOOTSTRAP_MODULE = "ddpcli.bootstrap"
@@ -35,7 +41,7 @@ def check_before_start(cfg: ScriptLaunchConfig) -> None:
     check_gpu_indices(cfg.gpus, cpu_alternative="--nproc N without --gpus")
     if cfg.ifname:
         check_interface(cfg.ifname)
-    if cfg.master_port is not None and cfg.node_rank == 0 and not cfg.standalone:
+    if cfg.master_port is not None and cfg.node_rank == 0 and not (cfg.standalone or cfg.elastic):
         check_master_port(cfg.master_port)
 
 
@@ -71,14 +77,21 @@ def check_master_port(port: int) -> None:
 
 def script_job(cfg: ScriptLaunchConfig) -> WorkerJob:
     target = ["-m", cfg.target] if cfg.module else [cfg.target]
+    master_addr, master_port = cfg.master_addr, cfg.master_port
+    if cfg.rdzv_endpoint:  # --rdzv-endpoint names node 0's agent of a static job too
+        master_addr, master_port = cfg.rendezvous_address(DEFAULT_MASTER_PORT)
     return WorkerJob(
         module=BOOTSTRAP_MODULE,
         args=[*target, *cfg.script_args],
         nproc_per_node=cfg.nproc_per_node,
         nnodes=cfg.nnodes,
         node_rank=cfg.node_rank,
-        master_addr=cfg.master_addr,
-        master_port=None if cfg.standalone else cfg.master_port,
+        master_addr=master_addr,
+        master_port=None if cfg.standalone else master_port,
+        rendezvous=cfg.rendezvous_address(DEFAULT_MASTER_PORT) if cfg.elastic else None,
+        min_nnodes=cfg.min_nnodes,
+        rdzv_id=cfg.rdzv_id,
+        ifname=cfg.ifname,
         timeout_s=cfg.timeout,
         max_restarts=cfg.max_restarts,
         env=worker_environment(cfg.gpus, cfg.nproc_per_node, cfg.ifname),

@@ -316,6 +316,8 @@ class Trainer:
         if not self.ctx.is_main:
             return
         cfg = self.cfg
+        if cfg.world_from:
+            ui.info(f"world from {cfg.world_from}")
         ui.info(
             f"world size {self.ctx.world_size} ({self.ctx.backend}, {self.ctx.device.type}) · "
             f"per-process batch {cfg.per_gpu_batch} × world {self.ctx.world_size} × "

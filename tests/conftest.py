@@ -29,7 +29,8 @@ def clean_env(**extra: str) -> dict[str, str]:
     env = {
         name: value
         for name, value in os.environ.items()
-        if name not in LAUNCHER_VARIABLES and not name.startswith(("SLURM_", "TORCHELASTIC_"))
+        if name not in LAUNCHER_VARIABLES
+        and not name.startswith(("SLURM_", "TORCHELASTIC_", "PET_"))
     }
     return {**env, "PYTHONUNBUFFERED": "1", "COLUMNS": "200", **extra}
 

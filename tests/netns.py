@@ -112,3 +112,45 @@ def host_pair() -> Iterator[HostPair]:
     """Two namespaces joined by a veth pair, deleted after the test (see two_hosts)."""
     with two_hosts() as pair:
         yield pair
+
+
+@contextlib.contextmanager
+def bridged_hosts(count: int = 3, subnet: str = "192.0.2.0/24") -> Iterator[tuple[Host, ...]]:
+    """COUNT namespaces, each with a veth whose other end sits on a bridge in one more
+    namespace (a switch), holding the first COUNT addresses of SUBNET; all deleted after."""
+    if os.geteuid() != 0:
+        pytest.skip("network namespaces need root")
+    if shutil.which("ip") is None:
+        pytest.skip("iproute2 (`ip`) is not installed")
+    network = ipaddress.ip_network(subnet)
+    addresses = list(itertools.islice(network.hosts(), count))
+    stem = f"ddp{os.getpid()}s{next(_counter)}"
+    switch = f"{stem}sw"
+    hosts = tuple(
+        Host(f"{stem}{index}", str(address), network.prefixlen, "veth0")
+        for index, address in enumerate(addresses)
+    )
+    created: list[str] = []
+    try:
+        for namespace in (switch, *(host.namespace for host in hosts)):
+            try:
+                _ip("netns", "add", namespace)
+            except (RuntimeError, subprocess.SubprocessError) as error:
+                pytest.skip(f"cannot create a network namespace here: {error}")
+            created.append(namespace)
+        _ip("-n", switch, "link", "add", "br0", "type", "bridge")
+        _ip("-n", switch, "link", "set", "br0", "up")
+        for index, host in enumerate(hosts):
+            port = f"port{index}"
+            _ip("link", "add", host.ifname, "netns", host.namespace, "type", "veth",
+                "peer", "name", port, "netns", switch)  # fmt: skip
+            _ip("-n", switch, "link", "set", port, "master", "br0")
+            _ip("-n", switch, "link", "set", port, "up")
+            _ip("-n", host.namespace, "addr", "add", f"{host.address}/{host.prefix}",
+                "dev", host.ifname)  # fmt: skip
+            _ip("-n", host.namespace, "link", "set", host.ifname, "up")
+            _ip("-n", host.namespace, "link", "set", "lo", "up")
+        yield hosts
+    finally:
+        for namespace in created:
+            _delete(namespace)

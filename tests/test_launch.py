@@ -153,6 +153,7 @@ def test_a_failing_script_names_the_rank_that_failed_first(tmp_path, failure):
         (["--gpus", "63", "x.py"], "invalid --gpus: GPU 63 does not exist"),
         (["--nnodes", "2", "--node-rank", "2", "x.py"], "invalid --node-rank: 2 must be below"),
         (["--nproc", "two", "x.py"], "Invalid value for '--nproc'"),
+        (["--nnodes", "3:2", "x.py"], "invalid --nnodes: MIN:MAX needs 1 <= MIN <= MAX"),
     ],
 )
 def test_bad_input_is_refused_before_any_worker_starts(tmp_path, args, message):
@@ -205,3 +206,26 @@ def test_ctrl_c_prints_one_line_exits_130_and_leaves_nothing(tmp_path):
     lines = [line for line in run.stderr.splitlines() if line.strip()]
     assert lines[-1].startswith("error: interrupted (Ctrl-C): stopped the 2 worker(s)"), lines
     assert_none_left(str(script))
+
+
+def test_elastic_membership_and_a_pods_variables_reach_the_workers(tmp_path):
+    """`--nnodes 1:2` on the c10d rendezvous, its endpoint and the process count from a pod's
+    PET_* variables: one host comes, and after the last call it runs as a world of 2."""
+    write_script(
+        tmp_path,
+        "world.py",
+        """
+        import os
+        print(f"rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']}", flush=True)
+        """,
+    )
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {
+        "PYTHONPATH": str(REPO), "PET_NPROC_PER_NODE": "2", "PET_NNODES": "1:2",
+        "PET_RDZV_ENDPOINT": f"127.0.0.1:{port}", "RANK": "0", "WORLD_SIZE": "2",
+    }  # fmt: skip
+    result = run_cli("launch", "--timeout", "30", "world.py", env=env, timeout=90, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "rank 0 of 2" in result.stdout + result.stderr

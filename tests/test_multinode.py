@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 from conftest import LiveProcess, clean_env, free_port, read_metrics, run_cli
-from netns import Host, two_hosts
+from netns import Host, bridged_hosts, two_hosts
 
 from ddpcli.config import TrainConfig
 from ddpcli.launch import train_environment
@@ -258,3 +258,94 @@ def test_only_the_per_node_settings_may_differ():
         "nproc": {"unset": ["node 0"], "4": ["node 1"]},
         "nproc_per_node": {"2": ["node 0"], "4": ["node 1"]},
     }
+
+
+# --- One run folder, several nodes ---------------------------------------------------------
+
+
+def test_two_nodes_sharing_out_write_one_run(tmp_path):
+    """Two nodes of one job on one machine pass the same --out (a shared file system): the
+    folder admits both, they finish, and rank 0's run is the one there."""
+    port, out = free_port(), tmp_path / "shared"
+    base = [
+        sys.executable, "-m", "ddpcli", "train", *ONE_EPOCH, "--nproc", "1", "--nnodes", "2",
+        "--master-addr", "127.0.0.1", "--master-port", str(port), "--timeout", "60",
+        "--out", str(out),
+    ]  # fmt: skip
+    commands = [[*base, "--node-rank", str(rank)] for rank in (1, 0)]  # node 1 locks first
+    with nodes(commands) as (node1, node0):
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        codes = [node.finish(deadline - time.monotonic()) for node in (node0, node1)]
+    assert codes == [0, 0], (node0.stderr[-2000:], node1.stderr[-2000:])
+    metrics = read_metrics(out)
+    assert len(metrics) == 1 and metrics[0]["world_size"] == 2
+    assert json.loads((out / "config.json").read_text())["nnodes"] == 2
+    assert "node 1 finished" in node1.stderr
+
+
+# --- Elastic membership: --nnodes MIN:MAX ----------------------------------------------------
+
+
+@pytest.fixture
+def three_hosts():
+    with bridged_hosts(3) as hosts:
+        try:
+            yield hosts
+        finally:
+            for host in hosts:
+                kill_namespace_processes(host)
+
+
+def any_says(processes: list[LiveProcess], text: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not any(text in process.stderr for process in processes):
+        if time.monotonic() > deadline:
+            logs = "\n---\n".join(process.stderr[-1500:] for process in processes)
+            raise AssertionError(f"no {text!r} within {timeout}s:\n{logs}")
+        time.sleep(0.1)
+
+
+@pytest.mark.netns
+def test_a_lost_host_leaves_a_smaller_world_that_finishes(three_hosts, tmp_path):
+    """Three hosts behind a bridge run the same command, `--nnodes 2:3`, with no node rank
+    and no address but the endpoint's; one is SIGKILLed in epoch 2; the other two restart
+    from the last checkpoint as a world of 2 and finish; the shared --out holds one run."""
+    out, endpoint = tmp_path / "shared", f"{three_hosts[0].address}:29400"
+    settings = [*TINY, "--synthetic-size", "384", "--epochs", "3", "--log-every", "1"]
+    commands = [
+        host.command(
+            sys.executable,
+            "-m",
+            "ddpcli",
+            "train",
+            *settings,
+            "--nproc",
+            "1",
+            "--nnodes",
+            "2:3",
+            "--rdzv-endpoint",
+            endpoint,
+            "--max-restarts",
+            "2",
+            "--ifname",
+            host.ifname,
+            "--timeout",
+            "30",
+            "--out",
+            str(out),
+        )  # fmt: skip
+        for host in three_hosts
+    ]
+    with nodes(commands) as started:
+        any_says(started, "epoch 2/3 step 1/", timeout=RUN_TIMEOUT_S)
+        kill_namespace_processes(three_hosts[2])
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        codes = [node.finish(deadline - time.monotonic()) for node in started[:2]]
+    logs = "\n---\n".join(node.stderr[-2000:] for node in started)
+    assert codes == [0, 0], logs
+    worlds = [epoch["world_size"] for epoch in read_metrics(out)]
+    assert worlds == [3, 2, 2], logs
+    said = started[0].stderr + started[1].stderr
+    assert "world changed: the checkpoint was written by 3 ranks, this run has 2; " in said, logs
+    assert "global batch 48 -> 32" in said, logs
+    assert "Traceback" not in said

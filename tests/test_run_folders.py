@@ -24,6 +24,7 @@ from ddpcli.runfolder import (
     claim_run_folder,
     continue_after_requeue,
     describe_earlier_run,
+    membership,
 )
 
 
@@ -251,3 +252,23 @@ def test_the_warning_comes_before_launch(tmp_path, monkeypatch):
     )
     assert result.exit_code == 1
     assert "64 processes on 2 core(s)" in result.stderr
+
+
+def test_the_hosts_of_one_elastic_job_share_the_folder_and_a_late_one_joins(tmp_path):
+    """Elastic hosts have no node rank: each is a member by host and pid, and one that
+    joins a running job finds its metrics there without being refused."""
+    elastic = config(tmp_path, nnodes="2:3", rdzv_endpoint="10.0.0.1:29400")
+    job, member = membership(elastic, None)
+    assert job == "rendezvous ddpcli at 10.0.0.1:29400, 2:3 nodes" and isinstance(member, str)
+    other = config(tmp_path, nnodes="2:3", rdzv_endpoint="10.0.0.1:29400", rdzv_id="other")
+    assert membership(other, None)[0] != job
+    holder = RunFolderLock(tmp_path, job=job, member="host-a pid 1")
+    holder.acquire()
+    try:
+        earlier_run(tmp_path)  # the job's own first epochs
+        with claim_run_folder(elastic, None):
+            pass  # admitted: the same job, and its earlier epochs are its own
+        with pytest.raises(DdpcliError, match="in use"), claim_run_folder(other, None):
+            pass
+    finally:
+        holder.release()

@@ -14,7 +14,10 @@ from ddpcli.checkenv.facts import (
 from ddpcli.checkenv.network import Interface
 from ddpcli.checkenv.network_checks import network_rows, port_rows
 from ddpcli.checkenv.report import Report, Row, fail, in_section, ok, warn
-from ddpcli.config.checkenv import CheckEnvOptions
+from ddpcli.config.checkenv import DEFAULT_MASTER_PORT, CheckEnvOptions
+from ddpcli.config.train import build_train_config
+from ddpcli.environments.pods import pet_variables
+from ddpcli.errors import DdpcliError, first_line
 from ddpcli.machine import check_interface
 
 
@@ -247,8 +250,31 @@ def environment_rows(facts: NodeFacts, options: CheckEnvOptions) -> list[Row]:
             )
         ]
     rows = [variable_row(name, value, facts.interfaces) for name, value in env.items()]
-    rows.extend(rank_consistency_rows(env))
+    if pet_variables(env):
+        rows.append(pod_row(env))
+    else:
+        rows.extend(rank_consistency_rows(env))
     return rows
+
+
+def pod_row(env: dict[str, str]) -> Row:
+    """What `ddpcli train` would make of a pod's PET_* variables, with no flags given."""
+    try:
+        cfg = build_train_config({}, None, env)
+    except DdpcliError as error:
+        return fail("PET_* (pod)", first_line(error), "fix the variable, or give the flag")
+    processes = f"--nproc {cfg.nproc}" if cfg.nproc else "one process per GPU, else 2"
+    if cfg.elastic:
+        host, port = cfg.rendezvous_address(DEFAULT_MASTER_PORT)
+        nodes = f"{cfg.min_nnodes or cfg.nnodes} to {cfg.nnodes} nodes meeting at {host}:{port}"
+        world = f"c10d rendezvous of {nodes} (no node rank)"
+    elif cfg.nnodes > 1:
+        host, port = cfg.rendezvous_address(DEFAULT_MASTER_PORT)
+        world = f"node {cfg.node_rank} of {cfg.nnodes}, meeting node 0 at {host}:{port}"
+    else:
+        world = "one node"
+    pods = " (RANK/WORLD_SIZE here are the operator's pod index and count)" if "RANK" in env else ""
+    return ok("PET_* (pod)", f"a run here: {world}, {processes}{pods}")
 
 
 def variable_row(name: str, value: str, interfaces: list[Interface]) -> Row:

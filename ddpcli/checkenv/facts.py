@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from ddpcli.checkenv.network import Interface, list_interfaces, resolve_ip, route_to
 from ddpcli.config.checkenv import CheckEnvOptions, is_loopback
+from ddpcli.environments.pods import PET_FLAGS
 from ddpcli.machine import run_tool
 
 SOCKET_IFNAME_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
@@ -24,6 +25,8 @@ DISTRIBUTED_VARIABLES = (
     "SLURM_JOB_ID", "SLURM_JOB_NODELIST", "SLURM_NODELIST", "SLURM_NNODES", "SLURM_NODEID",
     "SLURM_NTASKS", "SLURM_NTASKS_PER_NODE", "SLURM_PROCID", "SLURM_LOCALID",
     "SLURM_GPUS_ON_NODE", "SLURM_JOB_GPUS", "SLURM_STEP_GPUS",
+    # A Kubeflow pod: torchrun's flag defaults, which `ddpcli train` and `launch` read too
+    *PET_FLAGS, "TORCHELASTIC_RUN_ID",
 )  # fmt: skip
 # Settings that must agree between nodes; interface names legitimately differ per node.
 COMPARED_PREFIXES = ("NCCL_", "GLOO_", "TORCH_NCCL_", "TORCH_DISTRIBUTED_")

@@ -151,13 +151,15 @@ def resume_warnings(payload: dict[str, Any], config: dict[str, Any], world_size:
     resolved config (with its `peak_lr`), WORLD_SIZE the world it really has."""
     notes = []
     saved = payload.get("config") or {}
-    if payload["world_size"] != world_size:
-        notes.append(
-            f"checkpoint was written by {payload['world_size']} ranks, this run has {world_size}: "
-            "the data order (and each rank's RNG) from here on differs from the original run"
-        )
     rate_note = rate_change(saved, payload["world_size"], config, world_size)
-    if rate_note:
+    if payload["world_size"] != world_size:  # one line: the new world, its batch, its rate
+        notes.append(
+            f"world changed: the checkpoint was written by {payload['world_size']} ranks, this "
+            f"run has {world_size}"
+            + (f"; {rate_note}" if rate_note else "")
+            + "; the data order (and each rank's RNG) from here on differs from the original run"
+        )
+    elif rate_note:
         notes.append(rate_note)
     changed = [
         f"{key} {saved[key]!r} -> {config.get(key)!r}"

@@ -53,7 +53,13 @@ def launch(
         ),
     ] = None,
     nnodes: Annotated[
-        int | None, option("Nodes in the job.", default="1", panel=NODES, decls=("--nnodes",))
+        str | None,
+        option(
+            "Nodes in the job: N, or MIN:MAX to run on as many as come (c10d, no --node-rank).",
+            default="1",
+            panel=NODES,
+            decls=("--nnodes",),
+        ),
     ] = None,
     node_rank: Annotated[
         int | None,
@@ -72,6 +78,33 @@ def launch(
             default="a free port on one node; 29500 on several",
             panel=NODES,
             decls=spellings("master-port"),
+        ),
+    ] = None,
+    rdzv_backend: Annotated[
+        str | None,
+        option(
+            "static (fixed --node-rank) or c10d (any order, no ranks).",
+            default="c10d for --nnodes MIN:MAX, else static",
+            panel=NODES,
+            decls=spellings("rdzv-backend"),
+        ),
+    ] = None,
+    rdzv_endpoint: Annotated[
+        str | None,
+        option(
+            "HOST[:PORT] where the nodes meet; the host that holds this address serves it.",
+            default="--master-addr:--master-port",
+            panel=NODES,
+            decls=spellings("rdzv-endpoint"),
+        ),
+    ] = None,
+    rdzv_id: Annotated[
+        str | None,
+        option(
+            "The job's name in the rendezvous.",
+            default="ddpcli",
+            panel=NODES,
+            decls=spellings("rdzv-id"),
         ),
     ] = None,
     standalone: Annotated[

@@ -224,12 +224,42 @@ def train(
         ),
     ] = None,
     bucket_cap_mb: Annotated[float | None, train_option("bucket_cap_mb", panel=PROCS)] = None,
-    nnodes: Annotated[int | None, train_option("nnodes", panel=NODES)] = None,
+    nnodes: Annotated[
+        str | None,
+        train_option(
+            "nnodes",
+            "Nodes: N, or MIN:MAX to run on as many as come (c10d rendezvous, the same "
+            "command on every host, no --node-rank; a lost host leaves a smaller world).",
+            NODES,
+        ),
+    ] = None,
     node_rank: Annotated[int | None, train_option("node_rank", panel=NODES)] = None,
     master_addr: Annotated[str | None, train_option("master_addr", panel=NODES)] = None,
     master_port: Annotated[
         int | None,
         train_option("master_port", panel=NODES, default="a free port; 29500 on several nodes"),
+    ] = None,
+    rdzv_backend: Annotated[
+        str | None,
+        train_option(
+            "rdzv_backend",
+            "How the nodes meet: static (fixed --node-rank) or c10d (any order, no ranks).",
+            NODES,
+            default="c10d for --nnodes MIN:MAX, else static",
+        ),
+    ] = None,
+    rdzv_endpoint: Annotated[
+        str | None,
+        train_option(
+            "rdzv_endpoint",
+            "HOST[:PORT] where the nodes meet; the host that holds this address serves it.",
+            NODES,
+            default="--master-addr:--master-port",
+        ),
+    ] = None,
+    rdzv_id: Annotated[
+        str | None,
+        train_option("rdzv_id", "The job's name in the rendezvous.", NODES, default="ddpcli"),
     ] = None,
     init_method: Annotated[
         str | None,

@@ -3,12 +3,14 @@ node-rank rules, and pydantic errors rewritten as `invalid --flag: ... (got X)`.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Mapping
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ValidationError
 
-from ddpcli.errors import usage_error
+from ddpcli.environments.pods import PET_FLAGS, pet_variables
+from ddpcli.errors import DdpcliError, usage_error
 
 Backend = Literal["auto", "nccl", "gloo"]
 Precision = Literal["auto", "bf16", "fp16", "fp32"]
@@ -82,6 +84,21 @@ def describe_validation_error(error: ValidationError) -> str:
     return "\n".join(lines[:2])
 
 
+def with_origins(error: DdpcliError, origins: dict[str, str]) -> DdpcliError:
+    """ERROR with, on each line, where every setting it names came from (`invalid --cpu:
+    ... (--cpu from recipe r.toml; --gpus from the command line)`)."""
+    lines = []
+    for line in error.message.splitlines():
+        flags = dict.fromkeys(re.findall(r"--([a-z0-9-]+)", line))
+        notes = [
+            f"--{flag} from {origins[name]}"
+            for flag in flags
+            if (name := flag.replace("-", "_")) in origins
+        ]
+        lines.append(f"{line} ({'; '.join(notes)})" if notes else line)
+    return DdpcliError("\n".join(lines), error.exit_code)
+
+
 Model = TypeVar("Model", bound=BaseModel)
 
 
@@ -96,3 +113,95 @@ def validated(model: type[Model], values: dict[str, Any]) -> Model:
 def given(flags: dict[str, Any]) -> dict[str, Any]:
     """Flags left at None were not given."""
     return {key: value for key, value in flags.items() if value is not None}
+
+
+# --- Nodes: how many, and where they meet ------------------------------------------------
+
+NNODES_FORMAT = re.compile(r"\s*(\d+)\s*(?::\s*(\d+)\s*)?")
+DEFAULT_RDZV_PORT = 29400  # torchrun's, for an --rdzv-endpoint given without a port
+RdzvBackend = Literal["static", "c10d"]
+
+
+def split_nnodes(data: Any) -> Any:
+    """`--nnodes N` or `MIN:MAX` (torchrun's form; a recipe may write "2:3"): the most nodes
+    become `nnodes`, the fewest `min_nnodes`. For a model's `mode="before"` validator."""
+    if not isinstance(data, dict) or not isinstance(data.get("nnodes"), str):
+        return data
+    match = NNODES_FORMAT.fullmatch(data["nnodes"])
+    if not match:
+        raise ValueError(
+            f"invalid --nnodes: give N or MIN:MAX, e.g. 2 or 2:4 (got {data['nnodes']!r})"
+        )
+    low, high = match.group(1), match.group(2)
+    if high is None:
+        return {**data, "nnodes": int(low)}
+    return {**data, "min_nnodes": int(low), "nnodes": int(high)}
+
+
+def check_membership(
+    min_nnodes: int | None, nnodes: int, backend: RdzvBackend | None, endpoint: str | None
+) -> None:
+    """The rules across --nnodes MIN:MAX, --rdzv-backend and --rdzv-endpoint."""
+    if min_nnodes is not None and not 1 <= min_nnodes <= nnodes:
+        raise ValueError(
+            f"invalid --nnodes: MIN:MAX needs 1 <= MIN <= MAX (got {min_nnodes}:{nnodes})"
+        )
+    if backend == "static" and min_nnodes is not None and min_nnodes < nnodes:
+        raise ValueError(
+            f"invalid --rdzv-backend: static is a fixed world, but --nnodes "
+            f"{min_nnodes}:{nnodes} lets it change; use c10d (the default for MIN:MAX)"
+        )
+    if endpoint is not None and not re.fullmatch(r"[^:\s]+(:\d{1,5})?", endpoint):
+        raise ValueError(f"invalid --rdzv-endpoint: give HOST or HOST:PORT (got {endpoint!r})")
+
+
+def elastic_rendezvous(min_nnodes: int | None, nnodes: int, backend: RdzvBackend | None) -> bool:
+    """c10d rendezvous (no node ranks: the nodes that come form the world) when asked for,
+    or when --nnodes MIN:MAX lets the world change."""
+    return backend == "c10d" or (min_nnodes is not None and min_nnodes < nnodes)
+
+
+def endpoint_address(
+    endpoint: str | None, master_addr: str, master_port: int | None, default_port: int
+) -> tuple[str, int]:
+    """Where the nodes meet: --rdzv-endpoint, else --master-addr:--master-port."""
+    if endpoint:
+        host, _, port = endpoint.partition(":")
+        return host, int(port) if port else DEFAULT_RDZV_PORT
+    return master_addr, master_port or default_port
+
+
+# --- Pods: torchrun's PET_* variables as flag defaults ----------------------------------------
+
+# The fields PET_* variables give defaults to; PET_NPROC_PER_NODE is each command's own.
+POD_FIELDS = {
+    name: flag[2:].replace("-", "_")
+    for name, flag in PET_FLAGS.items()
+    if name != "PET_NPROC_PER_NODE"
+}
+
+
+def pod_defaults(
+    environ: Mapping[str, str], nproc_settings: Callable[[str], dict[str, Any]]
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """A pod's PET_* variables as {field: value}, and {field: "PET_X=value"} saying where each
+    came from; NPROC_SETTINGS turns PET_NPROC_PER_NODE into the command's own fields."""
+    values: dict[str, Any] = {}
+    origins: dict[str, str] = {}
+    for name, text in pet_variables(environ).items():
+        found = nproc_settings(text) if name == "PET_NPROC_PER_NODE" else {POD_FIELDS[name]: text}
+        values.update(found)
+        origins.update(dict.fromkeys(found, f"{name}={text}"))
+    return values, origins
+
+
+def nproc_spec(text: str) -> str | int:
+    """PET_NPROC_PER_NODE as torchrun takes it: auto, gpu, cpu or a count."""
+    value = text.strip().lower()
+    if value.isdigit() and int(value) >= 1:
+        return int(value)
+    if value in ("auto", "gpu", "cpu"):
+        return value
+    raise usage_error(
+        f"invalid PET_NPROC_PER_NODE: give auto, gpu, cpu or a number of processes (got {text!r})"
+    )

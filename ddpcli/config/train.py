@@ -31,12 +31,22 @@ from ddpcli.config.common import (
     DatasetName,
     GpuList,
     Precision,
+    RdzvBackend,
+    check_membership,
     check_node_rank,
+    elastic_rendezvous,
+    endpoint_address,
     from_comma_text,
     given,
+    nproc_spec,
     parse_float_list,
+    pod_defaults,
+    split_nnodes,
     validated,
+    with_origins,
 )
+from ddpcli.environments.pods import describe as describe_pod
+from ddpcli.environments.pods import pet_variables
 from ddpcli.errors import DdpcliError, usage_error
 from ddpcli.factories import is_factory_spec
 
@@ -241,10 +251,14 @@ class TrainConfig(BaseModel):
         25.0, gt=0, description="DDP gradient bucket size (MB): fewer, larger all-reduces"
     )
     # multi-node
-    nnodes: int = Field(1, ge=1)
+    nnodes: int = Field(1, ge=1)  # the most nodes; `--nnodes MIN:MAX` sets both
+    min_nnodes: int | None = Field(None, ge=1)  # None: exactly --nnodes
     node_rank: int = Field(0, ge=0)
     master_addr: str = "127.0.0.1"
     master_port: int | None = Field(None, ge=1, le=65535)
+    rdzv_backend: RdzvBackend | None = None  # None: c10d for MIN:MAX, else static
+    rdzv_endpoint: str | None = None  # None: --master-addr:--master-port
+    rdzv_id: str | None = None
     init_method: str | None = None
     ifname: str | None = None
     timeout: float = Field(300.0, description="seconds for init and every collective")
@@ -272,6 +286,8 @@ class TrainConfig(BaseModel):
     # (`ddpcli.resolve` for --dry-run, each worker from its process group), so that
     # config.json holds the rate the optimizer used.
     peak_lr: float | None = None
+    # Resolved, never given: where the world came from, in words, for the run's header.
+    world_from: str | None = None
 
     @field_validator("init_method")
     @classmethod
@@ -311,6 +327,11 @@ class TrainConfig(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
+    def _nnodes_range(cls, data: Any) -> Any:
+        return split_nnodes(data)
+
+    @model_validator(mode="before")
+    @classmethod
     def _lr_for_arch(cls, data: Any) -> Any:
         """--lr's default depends on the model and the optimiser, so it is filled in with
         the arch."""
@@ -342,6 +363,7 @@ class TrainConfig(BaseModel):
     @model_validator(mode="after")
     def _consistent(self) -> TrainConfig:
         check_node_rank(self.node_rank, self.nnodes)
+        check_membership(self.min_nnodes, self.nnodes, self.rdzv_backend, self.rdzv_endpoint)
         if self.cpu and self.gpus:
             raise ValueError("invalid --cpu: --cpu and --gpus exclude each other; pick one")
         if self.dataset in ("stl10", "imagefolder") and self.data_dir is None:
@@ -384,6 +406,16 @@ class TrainConfig(BaseModel):
         if self.strategy != "ddp":
             return 1
         return len(self.gpus) if self.gpus and not self.cpu else (self.nproc or 2)
+
+    @property
+    def elastic(self) -> bool:
+        """The nodes meet in a c10d rendezvous, with no --node-rank (`--nnodes MIN:MAX`)."""
+        return elastic_rendezvous(self.min_nnodes, self.nnodes, self.rdzv_backend)
+
+    def rendezvous_address(self, default_port: int) -> tuple[str, int]:
+        return endpoint_address(
+            self.rdzv_endpoint, self.master_addr, self.master_port, default_port
+        )
 
     @property
     def world_size(self) -> int:
@@ -567,38 +599,41 @@ def train_setting_origins(flags: dict[str, Any], recipe: Path | None) -> dict[st
     return setting_origins(load_recipe(recipe) if recipe else {}, given(flags), recipe)
 
 
-def with_origins(error: DdpcliError, origins: dict[str, str]) -> DdpcliError:
-    """ERROR with, on each line, where every setting it names came from (`invalid --cpu:
-    ... (--cpu from recipe r.toml; --gpus from the command line)`)."""
-    lines = []
-    for line in error.message.splitlines():
-        flags = dict.fromkeys(re.findall(r"--([a-z0-9-]+)", line))
-        notes = [
-            f"--{flag} from {origins[name]}"
-            for flag in flags
-            if (name := flag.replace("-", "_")) in origins
-        ]
-        lines.append(f"{line} ({'; '.join(notes)})" if notes else line)
-    return DdpcliError("\n".join(lines), error.exit_code)
-
-
 def build_train_config(
     flags: dict[str, Any], recipe: Path | None, environ: Mapping[str, str] | None = None
 ) -> TrainConfig:
     """Defaults < recipe < flags; flags left at None mean "not given"."""
+    env = os.environ if environ is None else environ
+    from_pod, pod_origins = pod_defaults(env, train_nproc_settings)
     from_recipe = load_recipe(recipe) if recipe else {}
     from_flags = given(flags)
-    values = {**without_overridden(from_recipe, from_flags), **from_flags}
+    values = {**from_pod, **without_overridden(from_recipe, from_flags), **from_flags}
     if "peak_lr" in values:
         where = f"recipe {recipe}" if recipe and "peak_lr" in from_recipe else "the flags"
         raise usage_error(
             f"{where}: peak_lr is not a setting; the run computes it from lr, lr_base_batch "
             'and lr_scaling (set lr_scaling = "none" to use lr as given)'
         )
-    env = os.environ if environ is None else environ
     if env.get(TRACE_SAMPLES_VARIABLE):
         values.setdefault("trace_samples", Path(env[TRACE_SAMPLES_VARIABLE]))
+    if pod := pet_variables(env):
+        values["world_from"] = describe_pod(pod)
     try:
         return validated(TrainConfig, values)
     except DdpcliError as error:
-        raise with_origins(error, setting_origins(from_recipe, from_flags, recipe)) from None
+        overridden = {**from_recipe, **from_flags}
+        origins = {name: pod for name, pod in pod_origins.items() if name not in overridden}
+        origins.update(setting_origins(from_recipe, from_flags, recipe))
+        raise with_origins(error, origins) from None
+
+
+def train_nproc_settings(text: str) -> dict[str, Any]:
+    """PET_NPROC_PER_NODE for `ddpcli train`: N processes (one per GPU on a GPU pod, which
+    Kubeflow gives N GPUs), cpu: one per core on the CPU, auto/gpu: ddpcli's default (every
+    GPU, else 2 CPU processes; torchrun's auto would start one per core on a CPU pod)."""
+    spec = nproc_spec(text)
+    if isinstance(spec, int):
+        return {"nproc": spec}
+    if spec == "cpu":
+        return {"cpu": True, "nproc": os.cpu_count() or 1}
+    return {}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from ddpcli.environments.pods import pet_variables
 from ddpcli.environments.world import LauncherEnv
 
 # Set by torchrun's agent in each worker: how often it has restarted the workers.
@@ -13,6 +14,8 @@ RESTART_VARIABLE = "TORCHELASTIC_RESTART_COUNT"
 
 def detect(env: Mapping[str, str]) -> LauncherEnv | None:
     if "RANK" not in env or "WORLD_SIZE" not in env:
+        return None
+    if pet_variables(env):  # a Kubeflow operator's pod index and pod count, not a worker's
         return None
     world_size = int(env["WORLD_SIZE"])
     return LauncherEnv(
