@@ -19,6 +19,7 @@ from ddpcli.environments import LauncherEnv
 from ddpcli.errors import usage_error
 from ddpcli.files import folder_write_problem
 from ddpcli.machine import check_gpu_indices, check_interface, granted_gpus, physical_gpu_count
+from ddpcli.precision import auto_cpu_precision, native_cpu_bf16
 from ddpcli.tbwriter import INSTALL_HINT, tensorboard_installed
 
 DEFAULT_MASTER_PORT = 29500  # torchrun's
@@ -52,6 +53,7 @@ def resolve_train_config(cfg: TrainConfig, launcher: LauncherEnv | None) -> Trai
         folder_size = IMAGEFOLDER_SIZE["gpu" if on_gpu else "cpu"]
         values["image_size"] = NATIVE_IMAGE_SIZE.get(cfg.dataset, folder_size)
     values["augment"] = training_augment(cfg.augment, cfg.dataset)
+    resolve_cpu_precision(values)
     values["out"] = values["out"] or default_out_dir()
     check_writable_folder(values["out"], "--out")
     if values["log_dir"] is not None:
@@ -67,6 +69,14 @@ def resolve_train_config(cfg: TrainConfig, launcher: LauncherEnv | None) -> Trai
     # What --dry-run shows; every worker computes it again from the world it joined.
     world_size = launcher.world_size if launcher is not None else resolved.world_size
     return resolved.model_copy(update={"peak_lr": resolved.peak_lr_at(world_size)})
+
+
+def resolve_cpu_precision(values: dict[str, Any]) -> None:
+    """`--precision auto` on the CPU (ddpcli.precision: native bf16 and a model it pays
+    for). On GPUs each worker decides from the device it is given."""
+    if values["cpu"] and values["precision"] == "auto":
+        choice = auto_cpu_precision(values["arch"], native_cpu_bf16())
+        values["precision"], values["precision_reason"] = choice
 
 
 def default_out_dir() -> Path:

@@ -117,10 +117,13 @@ def configure_cuda_math(precision: str, device: torch.device) -> None:
         torch.backends.cudnn.allow_tf32 = True
 
 
-def describe_precision(precision: str, device: torch.device) -> str:
+def describe_precision(precision: str, device: torch.device, reason: str | None = None) -> str:
+    """`bf16 (auto: the CPU has AMX-BF16 and resnet18 is conv/matmul-bound)`: what runs and,
+    when --precision auto chose it, why."""
+    notes = [reason] if reason else []
     if precision == "fp32" and device.type == "cuda":
-        return "fp32 (TF32 tensor cores in matmuls and convolutions)"
-    return precision
+        notes.append("TF32 tensor cores in matmuls and convolutions")
+    return f"{precision} ({'; '.join(notes)})" if notes else precision
 
 
 # --- The loop ------------------------------------------------------------------------------
@@ -282,7 +285,8 @@ class Trainer:
         ui.info(
             f"{cfg.arch} on {cfg.dataset} at {cfg.image_size} px · {self.data.describe_sizes()} · "
             f"{self.steps_per_epoch} steps per epoch · "
-            f"precision {describe_precision(cfg.precision, self.ctx.device)} · out {cfg.out}"
+            f"precision {describe_precision(cfg.precision, self.ctx.device, cfg.precision_reason)}"
+            f" · out {cfg.out}"
         )
         ui.info(
             f"strategy {cfg.strategy} · data path {self.data.path_name} · "

@@ -125,7 +125,12 @@ def train(
     seed: Annotated[int | None, train_option("seed", panel=MODEL)] = None,
     precision: Annotated[
         str | None,
-        train_option("precision", "auto: bf16 on GPUs that have it, else fp32.", MODEL),
+        train_option(
+            "precision",
+            "auto: bf16 on GPUs that have it, and on CPUs with native bf16 (AVX512_BF16, "
+            "AMX) for models of dense convolutions and matmuls; else fp32. The header says why.",
+            MODEL,
+        ),
     ] = None,
     compile: Annotated[
         bool | None, train_option("compile", "torch.compile the model.", MODEL)

@@ -155,6 +155,9 @@ class TrainConfig(BaseModel):
     # (`ddpcli.resolve` for --dry-run, each worker from its process group), so that
     # config.json holds the rate the optimizer used.
     peak_lr: float | None = None
+    # Resolved, never given: why `--precision auto` became what `precision` holds (the header
+    # says it; ddpcli.precision decides it).
+    precision_reason: str | None = None
 
     @field_validator("init_method")
     @classmethod
@@ -403,6 +406,8 @@ def build_train_config(
     from_recipe = load_recipe(recipe) if recipe else {}
     from_flags = given(flags)
     values = {**without_overridden(from_recipe, from_flags), **from_flags}
+    if "precision_reason" in values:
+        raise usage_error("precision_reason is not a setting; the run states why it chose one")
     if "peak_lr" in values:
         where = f"recipe {recipe}" if recipe and "peak_lr" in from_recipe else "the flags"
         raise usage_error(
