@@ -194,7 +194,8 @@ def test_train_help_shows_each_default_and_the_choices():
     flags_without_value = {"--dry-run", "--json", "--help"}
     for name in TrainConfig.model_fields:
         flag = f"--{name.replace('_', '-')}"
-        settings = name not in ("trace_samples", "peak_lr")  # peak_lr: resolved, not given
+        # peak_lr, precision_reason: resolved, not given; the others: debugging variables
+        settings = name not in ("trace_samples", "slow_data", "peak_lr", "precision_reason")
         if settings and flag not in flags_without_value:
             assert "[default: " in option_row(lines, flag), flag
 

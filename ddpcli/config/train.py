@@ -38,6 +38,9 @@ else:  # pragma: no cover
 # is handed to PATH.rankN, one JSON line per batch. A debugging aid, and the evidence the
 # resume tests use that no sample is trained twice or missed (docs/checkpoints.md).
 TRACE_SAMPLES_VARIABLE = "DDPCLI_TRACE_SAMPLES"
+# DDPCLI_SLOW_DATA=RANK:SECONDS: rank RANK waits SECONDS more for each training batch. A
+# straggler made on purpose, to see (and test) what the run reports about it.
+SLOW_DATA_VARIABLE = "DDPCLI_SLOW_DATA"
 # Below a second no rank can even join: init and every collective are bounded by --timeout.
 MIN_TIMEOUT_S = 1.0
 
@@ -151,6 +154,8 @@ class TrainConfig(BaseModel):
     preempt_signal: Literal["TERM", "USR1"] = "TERM"
     # debugging: each rank appends the sample indices of every training batch to PATH.rankN
     trace_samples: Path | None = None
+    # debugging: (rank, seconds) from DDPCLI_SLOW_DATA, a rank slowed on purpose
+    slow_data: tuple[int, float] | None = None
     # Resolved, never given: --lr scaled to the global batch of the world that really runs
     # (`ddpcli.resolve` for --dry-run, each worker from its process group), so that
     # config.json holds the rate the optimizer used.
@@ -399,6 +404,19 @@ def with_origins(error: DdpcliError, origins: dict[str, str]) -> DdpcliError:
     return DdpcliError("\n".join(lines), error.exit_code)
 
 
+def parse_slow_data(text: str) -> tuple[int, float]:
+    rank, _, seconds = text.partition(":")
+    try:
+        parsed = int(rank), float(seconds)
+    except ValueError:
+        parsed = (-1, -1.0)
+    if parsed[0] < 0 or not 0 <= parsed[1] <= 60:
+        raise usage_error(
+            f"invalid {SLOW_DATA_VARIABLE}: give RANK:SECONDS, e.g. 1:0.05 (got {text!r})"
+        )
+    return parsed
+
+
 def build_train_config(
     flags: dict[str, Any], recipe: Path | None, environ: Mapping[str, str] | None = None
 ) -> TrainConfig:
@@ -417,6 +435,8 @@ def build_train_config(
     env = os.environ if environ is None else environ
     if env.get(TRACE_SAMPLES_VARIABLE):
         values.setdefault("trace_samples", Path(env[TRACE_SAMPLES_VARIABLE]))
+    if env.get(SLOW_DATA_VARIABLE):
+        values.setdefault("slow_data", parse_slow_data(env[SLOW_DATA_VARIABLE]))
     try:
         return validated(TrainConfig, values)
     except DdpcliError as error:

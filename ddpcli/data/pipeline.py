@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import time
 from pathlib import Path
 
 import torch
@@ -81,6 +82,21 @@ class TracedBatches:
                 handle.write(json.dumps({"epoch": self.epoch, "indices": chunk}) + "\n")
                 handle.flush()
                 yield batch
+
+
+class SlowedBatches:
+    """Batches handed out SECONDS late each (DDPCLI_SLOW_DATA): a straggler on purpose."""
+
+    def __init__(self, batches, seconds: float):
+        self.batches, self.seconds = batches, seconds
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self):
+        for batch in self.batches:
+            time.sleep(self.seconds)
+            yield batch
 
 
 def on_device(image_set: ImageSet, device: torch.device) -> ImageSet:
@@ -194,7 +210,12 @@ class DataPipeline:
         else:
             batches = self.train_loader.for_epoch(indices, epoch)
         if self.trace_file:
-            return TracedBatches(batches, indices, self.cfg.per_gpu_batch, self.trace_file, epoch)
+            batches = TracedBatches(
+                batches, indices, self.cfg.per_gpu_batch, self.trace_file, epoch
+            )
+        slow = self.cfg.slow_data
+        if slow is not None and slow[0] == self.ctx.rank:
+            batches = SlowedBatches(batches, slow[1])
         return batches
 
     def val_batches(self):
