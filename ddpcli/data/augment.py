@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -193,23 +193,39 @@ def _centre_boxes(image_h: torch.Tensor, image_w: torch.Tensor) -> tuple[torch.T
     )
 
 
-def resized_crop_one(
-    image: torch.Tensor, index: int, seed: int, epoch: int, size: int
-) -> torch.Tensor:
-    """The loader's random-resized crop of one uint8 image as decoded: the box cut from it,
-    resized (bilinear, antialiased) to size x size, mirrored if drawn so."""
-    from torchvision.transforms.v2 import functional as TF
+class CropBox(NamedTuple):
+    """One image's random-resized crop, in the pixels of the image as stored."""
 
-    height, width = image.shape[-2:]
+    top: int
+    left: int
+    height: int
+    width: int
+    flip: bool
+
+
+def crop_box_one(index: int, seed: int, epoch: int, height: int, width: int) -> CropBox:
+    """The box resized_crop_boxes draws for one image of HEIGHT x WIDTH."""
     boxes = resized_crop_boxes(
         seed, epoch, torch.tensor([index]), torch.tensor([height]), torch.tensor([width])
     )
     top, left, box_h, box_w = (int(v) for v in (boxes.top, boxes.left, boxes.height, boxes.width))
+    return CropBox(top, left, box_h, box_w, bool(boxes.flip))
+
+
+def resized_crop_one(
+    image: torch.Tensor, index: int, seed: int, epoch: int, size: int
+) -> torch.Tensor:
+    """The random-resized crop of one uint8 image held in memory: the box cut from it,
+    resized (bilinear, antialiased) to size x size, mirrored if drawn so. (Image files take
+    ddpcli.data.decode.read_resized_crop, which decodes only what the crop needs.)"""
+    from torchvision.transforms.v2 import functional as TF
+
+    box = crop_box_one(index, seed, epoch, *image.shape[-2:])
     # Contiguous first: resize's uint8 kernel needs it, and a strided crop takes a float
     # detour several times slower. Same pixels as TF.resized_crop.
-    crop = image[:, top : top + box_h, left : left + box_w].contiguous()
+    crop = image[:, box.top : box.top + box.height, box.left : box.left + box.width].contiguous()
     crop = TF.resize(crop, [size, size], antialias=True)
-    return crop.flip(2) if bool(boxes.flip) else crop
+    return crop.flip(2) if box.flip else crop
 
 
 def resample_boxes(

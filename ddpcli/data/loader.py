@@ -6,12 +6,14 @@ normalisation on the device.
 from __future__ import annotations
 
 import abc
+import functools
 import os
 
 import torch
 
-from ddpcli.data.augment import Augment, crop_and_flip_one, resized_crop_one
-from ddpcli.data.sets import ImageSet, Sample, centre_view, read_rgb
+from ddpcli.data.augment import Augment, crop_and_flip_one, crop_box_one, resized_crop_one
+from ddpcli.data.decode import read_resized_crop, read_rgb, read_rgb_at_least
+from ddpcli.data.sets import ImageSet, Sample, centre_view, resize_side
 
 
 class KeyedImages(torch.utils.data.Dataset, abc.ABC):
@@ -30,16 +32,20 @@ class KeyedImages(torch.utils.data.Dataset, abc.ABC):
     def load(self, index: int) -> tuple[torch.Tensor, int]:
         """uint8 (3, H, W) as held or decoded, and the label."""
 
-    def centred(self, image: torch.Tensor) -> torch.Tensor:
+    def centred(self, index: int) -> tuple[torch.Tensor, int]:
         """The image at the training size without augmentation (validation's view)."""
-        return image
+        return self.load(index)
+
+    def resized_crop(self, index: int, epoch: int) -> tuple[torch.Tensor, int]:
+        """The random-resized crop, cut from the image as stored, not from a centre view."""
+        image, label = self.load(index)
+        return resized_crop_one(image, index, self.seed, epoch, self.image_size), label
 
     def __getitem__(self, key: tuple[int, int]) -> tuple[torch.Tensor, int]:
         index, epoch = key
-        image, label = self.load(index)
-        if self.augment == "rrc":  # cut from the image as decoded, not from a centre view
-            return resized_crop_one(image, index, self.seed, epoch, self.image_size), label
-        image = self.centred(image)
+        if self.augment == "rrc":
+            return self.resized_crop(index, epoch)
+        image, label = self.centred(index)
         if self.augment == "crop-flip":
             image = crop_and_flip_one(image, index, self.seed, epoch)
         return image, label
@@ -60,9 +66,10 @@ class MemoryDataset(KeyedImages):
 
 
 class FolderDataset(KeyedImages):
-    """ImageNet-layout images, decoded and resized per item in DataLoader workers. An image
-    that cannot be decoded ends the run with UnreadableImage, naming it (--skip-bad-images
-    leaves such files out of `samples` before training: ddpcli.data.sets.drop_unreadable)."""
+    """ImageNet-layout images, decoded and resized per item in DataLoader workers, each
+    JPEG at the smallest scale its view needs (ddpcli.data.decode). An image that cannot
+    be decoded ends the run with UnreadableImage, naming it (--skip-bad-images leaves such
+    files out of `samples` before training: ddpcli.data.sets.drop_unreadable)."""
 
     def __init__(self, samples: list[Sample], image_size: int, seed: int, augment: Augment):
         super().__init__(seed, augment, image_size)
@@ -75,8 +82,15 @@ class FolderDataset(KeyedImages):
         path, label = self.samples[index]
         return read_rgb(path), label
 
-    def centred(self, image: torch.Tensor) -> torch.Tensor:
-        return centre_view(image, self.image_size)
+    def centred(self, index: int) -> tuple[torch.Tensor, int]:
+        path, label = self.samples[index]
+        image = read_rgb_at_least(path, resize_side(self.image_size))
+        return centre_view(image, self.image_size), label
+
+    def resized_crop(self, index: int, epoch: int) -> tuple[torch.Tensor, int]:
+        path, label = self.samples[index]
+        box_for = functools.partial(crop_box_one, index, self.seed, epoch)
+        return read_resized_crop(path, box_for, self.image_size), label
 
 
 class ShardSampler(torch.utils.data.Sampler):
