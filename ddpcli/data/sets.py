@@ -21,7 +21,7 @@ from ddpcli.config import TrainConfig
 from ddpcli.data.augment import training_augment
 from ddpcli.data.decode import UnreadableImage, read_rgb
 from ddpcli.dist import DistContext, all_gather_object, rank_zero_prepares
-from ddpcli.errors import USAGE, DdpcliError, first_line, usage_error
+from ddpcli.errors import usage_error
 from ddpcli.files import atomic_save
 
 STL10_SIDE = 96
