@@ -69,7 +69,11 @@ def as_rgb(image: Image) -> Image:
     """Every mode becomes RGB as torchvision's ImageFolder makes it (PIL's `convert("RGB")`):
     grey repeated, CMYK converted without a colour profile, alpha (RGBA, LA, a palette's
     transparency) dropped, not composited. A palette with transparency goes through RGBA,
-    which gives the same pixels without PIL's warning."""
+    which gives the same pixels without PIL's warning. An RGB image is used as it is
+    (convert would copy it)."""
+    if image.mode == "RGB":
+        image.load()
+        return image
     if image.mode == "P" and "transparency" in image.info:
         return image.convert("RGBA").convert("RGB")
     return image.convert("RGB")
