@@ -122,14 +122,15 @@ def rank_figures(
     wait_frac = [min(wait / wall_s, 1.0) for wait in wait_s]
     own_s = [wait + compute for wait, compute in zip(wait_s, compute_s, strict=True)]
     median = statistics.median(own_s) if own_s else 0.0
-    slowest = max(range(len(own_s)), key=own_s.__getitem__) if own_s else None
-    named = slowest is not None and median > 0 and own_s[slowest] > (1 + STRAGGLER_EXCESS) * median
+    slowest = max(range(len(own_s)), key=own_s.__getitem__, default=0)
+    excess = own_s[slowest] / median - 1 if median > 0 else 0.0
+    named = excess > STRAGGLER_EXCESS
     return {
         "data_wait_frac": round(statistics.fmean(wait_frac), 4) if wait_frac else 0.0,
         "data_wait_frac_per_rank": [round(frac, 4) for frac in wait_frac],
         "compute_ms_per_rank": [round(1000 * compute / steps, 2) for compute in compute_s],
         "slowest_rank": slowest if named else None,
-        "slowest_rank_excess": round(own_s[slowest] / median - 1, 4) if named else 0.0,
+        "slowest_rank_excess": round(excess, 4) if named else 0.0,
     }
 
 
