@@ -43,15 +43,17 @@ def slots_for(world_size: int) -> int:
 class RankClock:
     """This rank's wait and compute seconds in the current epoch."""
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: nn.Module, hook_forward: bool = True) -> None:
         """MODULE: the model inside any DDP wrapper, so that its forward starts after DDP's
-        buffer broadcast."""
+        buffer broadcast. HOOK_FORWARD False (under torch.compile, where a clock read in a
+        hook would break the graph): the compute then starts before that broadcast."""
         self.wait_s = self.compute_s = 0.0
         self.epoch_started = time.perf_counter()
         self.started = 0.0
         self.training = False  # inside a training micro-step
         self.last_gradient_at: float | None = None
-        module.register_forward_pre_hook(self._forward_starts)
+        if hook_forward:
+            module.register_forward_pre_hook(self._forward_starts)
         for parameter in module.parameters():
             if parameter.requires_grad:
                 parameter.register_post_accumulate_grad_hook(self._gradient_ready)

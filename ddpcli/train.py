@@ -167,7 +167,8 @@ class Trainer:
         self.finite_step = 0  # the last step at which the loss was checked and finite
         self.steplog = StepLog(self.out, ctx.is_main, tensorboard=cfg.tensorboard)
         self.preemption = Preemption(cfg.preempt_signal, every_steps=cfg.log_every)
-        self.clock = RankClock(unwrap(self.model))  # this rank's data wait and own compute
+        # This rank's data wait and own compute (ddpcli.rankload).
+        self.clock = RankClock(unwrap(self.model), hook_forward=not cfg.compile)
 
     # --- checkpoints
     def parts(self) -> TrainingParts:
