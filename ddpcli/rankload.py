@@ -108,9 +108,9 @@ class RankClock:
         sums[slot + 1] = self.compute_s
 
 
-def rank_seconds(totals: list[float]) -> tuple[list[float], list[float]]:
-    """Per-rank (wait, compute) seconds from the reduced sums."""
-    timing = totals[METRIC_SLOTS:]
+def rank_seconds(timing: list[float]) -> tuple[list[float], list[float]]:
+    """Per-rank (wait, compute) seconds from the rank slots of the reduced sums (what
+    follows their first METRIC_SLOTS values)."""
     return timing[0::2], timing[1::2]
 
 

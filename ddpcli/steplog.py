@@ -87,7 +87,7 @@ class StepLog:
         images = max(count, 1.0)
         previous = self.rank_totals or [0.0] * len(rank_totals)
         interval = [a - b for a, b in zip(rank_totals, previous, strict=True)]
-        wait_s, compute_s = rank_seconds([0.0, 0.0, 0.0, *interval])
+        wait_s, compute_s = rank_seconds(interval)
         figures = rank_figures(wait_s, compute_s, now - self.since, position["step"] - self.step)
         row = {
             **position,

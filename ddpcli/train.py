@@ -377,7 +377,7 @@ class Trainer:
                 if self.reached_max_steps() or self.preemption.stop_now(state.step, ctx):
                     break
         totals = self.reduce_sums(sums)
-        wait_s, compute_s = rank_seconds(totals)
+        wait_s, compute_s = rank_seconds(totals[METRIC_SLOTS:])
         ranks = rank_figures(
             wait_s, compute_s, self.clock.epoch_seconds(), state.step - steps_before
         )
