@@ -3,6 +3,7 @@
     python benchmarks/train_throughput.py                 # resnet18, 96 px, batch 16, 2 ranks
     python benchmarks/train_throughput.py --quick         # a short smoke run
     python benchmarks/train_throughput.py --repeats 5 --json results.json
+    python benchmarks/train_throughput.py --precisions bf16 --no-tiny   # bf16 against bf16
 
 Contenders, each run as its own process tree with a timeout (scripts in benchmarks/peers/):
   ddpcli       `python -m ddpcli train --cpu --nproc N ...`; images/s from metrics.jsonl
@@ -18,6 +19,18 @@ optimizer steps after the first 3 and reports images/s summed over ranks (the sl
 rank's time). Contenders run interleaved, one round after another, so a change in machine
 load hits all of them alike. Then the whole-process wall time of a tiny run (5 steps at
 32 px), the same way.
+
+One throughput table per `--precisions` entry (all three by default):
+  fp32     equal settings: ddpcli `--precision fp32` against every peer's default (fp32)
+  bf16     equal precision: ddpcli `--precision bf16` against Lightning
+           `precision="bf16-mixed"`, Accelerate `mixed_precision="bf16"` and the hand-written
+           loop under `torch.autocast("cpu", torch.bfloat16)`
+  default  what a new user gets: ddpcli with no precision flag (`auto`: bf16 on a CPU with
+           native bf16 for such models, the table says what it chose) against every
+           peer's own defaults, which are fp32: the peers' runs of the fp32 table when it
+           is measured too, in the same rounds
+Each table ends with ddpcli's ratio to the fastest peer (issue 18 asks at least 1.0 at equal
+precision and 1.3 against the peers' defaults).
 
 The peers need the optional extra: pip install -e ".[bench]"
 """
@@ -63,6 +76,7 @@ class Work:
     nproc: int
     steps: int  # timed steps, after WARMUP_STEPS untimed ones
     threads: int
+    precision: str = "fp32"  # fp32, bf16, or "default": each contender's own choice
 
     @property
     def total_steps(self) -> int:
@@ -93,6 +107,7 @@ class Contender:
                 "--epochs", "1",
                 "--max-steps", str(work.total_steps),
                 "--out", str(scratch / "ddpcli-out"),
+                *([] if work.precision == "default" else ["--precision", work.precision]),
             ]  # fmt: skip
         peer_args = [
             "--arch", work.arch,
@@ -101,6 +116,7 @@ class Contender:
             "--steps", str(work.steps),
             "--warmup", str(WARMUP_STEPS),
             "--result", str(scratch / "result.json"),
+            *(["--precision", "bf16"] if work.precision == "bf16" else []),  # else their default
         ]  # fmt: skip
         script = str(PEERS / self.script)
         if self.name == "lightning":  # Lightning starts its other ranks itself
@@ -113,6 +129,14 @@ class Contender:
             lines = (scratch / "ddpcli-out" / "metrics.jsonl").read_text().splitlines()
             return float(json.loads(lines[-1])["images_per_sec"])
         return float(json.loads((scratch / "result.json").read_text())["images_per_sec"])
+
+    def precision_used(self, scratch: Path, work: Work) -> str:
+        """What ran: ddpcli's config.json says what `auto` resolved to; the peers' default
+        is fp32 (Lightning "32-true", Accelerate "no", plain PyTorch)."""
+        if self.script is None:
+            config = json.loads((scratch / "ddpcli-out" / "config.json").read_text())
+            return str(config["precision"])
+        return "bf16" if work.precision == "bf16" else "fp32"
 
 
 CONTENDERS = [
@@ -127,10 +151,11 @@ CONTENDERS = [
 class Run:
     contender: str
     round: int
-    kind: str  # "throughput" or "tiny"
+    kind: str  # "throughput-fp32", "throughput-bf16", "throughput-default" or "tiny"
     wall_s: float
     load_before: float = 0.0  # 1-minute load average when the run started
     images_per_sec: float | None = None
+    precision: str | None = None  # what ran
     error: str | None = None
 
 
@@ -172,6 +197,7 @@ def run_contender(contender: Contender, work: Work, kind: str, round_: int, time
             return run
         try:
             run.images_per_sec = contender.images_per_sec(scratch)
+            run.precision = contender.precision_used(scratch, work)
         except (OSError, ValueError, KeyError, IndexError) as error:
             run.error = f"no result: {error}"
         return run
@@ -187,47 +213,83 @@ def summary(values: list[float], digits: int) -> tuple[str, str]:
     return f"{statistics.median(values):.{digits}f}", f"{low:.{digits}f}-{high:.{digits}f}"
 
 
-def print_throughput_table(results: Results, contenders: list[Contender], work: Work) -> None:
+TABLE_TITLES = {
+    "fp32": "fp32 against the peers' defaults (fp32): equal settings",
+    "bf16": "bf16 against each peer's bf16 autocast setting: equal precision",
+    "default": "ddpcli's defaults (no precision flag) against the peers' defaults",
+}
+
+
+def peer_kind(precision: str, precisions: list[str]) -> str:
+    """The runs a table takes the peers' figures from: the peers' defaults are their fp32
+    runs, measured once when both tables are asked for."""
+    if precision == "default" and "fp32" in precisions:
+        return "throughput-fp32"
+    return f"throughput-{precision}"
+
+
+def runs_for_peers(kind: str, work: Work, precisions: list[str]) -> bool:
+    return kind == "tiny" or peer_kind(work.precision, precisions) == kind
+
+
+def print_throughput_table(
+    results: Results, contenders: list[Contender], work: Work, precisions: list[str]
+) -> None:
+    ours_kind, peers_kind = f"throughput-{work.precision}", peer_kind(work.precision, precisions)
     print(
-        f"\nthroughput: {work.arch}, {work.image_size} px, per-process batch {work.batch}, "
-        f"{work.nproc} Gloo ranks x {work.threads} thread(s), {work.steps} steps timed "
-        f"after {WARMUP_STEPS}"
+        f"\nthroughput, {TABLE_TITLES[work.precision]}: {work.arch}, {work.image_size} px, "
+        f"per-process batch {work.batch}, {work.nproc} Gloo ranks x {work.threads} thread(s), "
+        f"{work.steps} steps timed after {WARMUP_STEPS}"
     )
     # On a shared machine "best" is the run the least disturbed by other work.
-    print(f"{'contender':<26}{'img/s median':>14}{'range':>16}{'best':>8}{'runs':>6}")
+    print(
+        f"{'contender':<26}{'precision':>10}{'img/s median':>14}{'range':>16}{'best':>8}{'runs':>6}"
+    )
     for contender in contenders:
-        rates = results.values(contender.name, "throughput", "images_per_sec")
+        kind = ours_kind if contender.script is None else peers_kind
+        rates = results.values(contender.name, kind, "images_per_sec")
+        used = sorted(set(results.values(contender.name, kind, "precision"))) or ["-"]
         median, spread = summary(rates, 1)
         best = f"{max(rates):.1f}" if rates else "-"
-        print(f"{contender.label:<26}{median:>14}{spread:>16}{best:>8}{len(rates):>6}")
-    print_ratio(results, contenders)
+        print(
+            f"{contender.label:<26}{'/'.join(used):>10}{median:>14}{spread:>16}{best:>8}"
+            f"{len(rates):>6}"
+        )
+    print_ratio(results, contenders, ours_kind, peers_kind)
 
 
-def print_ratio(results: Results, contenders: list[Contender]) -> None:
+def print_ratio(
+    results: Results, contenders: list[Contender], ours_kind: str, peers_kind: str
+) -> None:
     """Each ddpcli against the peer with the best median, and round by round against the
     fastest peer of that round."""
     peer_names = [c.name for c in contenders if c.script is not None]
-    peers = {name: results.values(name, "throughput", "images_per_sec") for name in peer_names}
+    peers = {name: results.values(name, peers_kind, "images_per_sec") for name in peer_names}
     peers = {name: rates for name, rates in peers.items() if rates}
     if not peers:
         return
     fastest = max(peers, key=lambda name: statistics.median(peers[name]))
     label = next(c.label for c in contenders if c.name == fastest)
     for ours in (c for c in contenders if c.script is None):
-        rates = results.values(ours.name, "throughput", "images_per_sec")
+        rates = results.values(ours.name, ours_kind, "images_per_sec")
         if not rates:
             continue
         ratio = statistics.median(rates) / statistics.median(peers[fastest])
-        paired = paired_ratios(results, ours.name, list(peers))
+        paired = paired_ratios(results, ours.name, list(peers), ours_kind, peers_kind)
         spread = f"; per round {min(paired):.3f}-{max(paired):.3f}" if paired else ""
         print(f"{ours.label} / fastest peer ({label}): {ratio:.3f} (medians{spread})")
 
 
-def paired_ratios(results: Results, ours: str, peers: list[str]) -> list[float]:
+def paired_ratios(
+    results: Results, ours: str, peers: list[str], ours_kind: str, peers_kind: str
+) -> list[float]:
     """Per round: ours / the best of the peers that ran in that round."""
     by_round: dict[int, dict[str, float]] = {}
     for run in results.runs:
-        if run.kind == "throughput" and run.error is None:
+        wanted = (run.contender == ours and run.kind == ours_kind) or (
+            run.contender in peers and run.kind == peers_kind
+        )
+        if wanted and run.error is None and run.images_per_sec is not None:
             by_round.setdefault(run.round, {})[run.contender] = run.images_per_sec
     ratios = []
     for rates in by_round.values():
@@ -291,6 +353,12 @@ def parse_args() -> argparse.Namespace:
         help="threads per process of the peers (default cores // nproc); ddpcli always "
         "splits the cores itself",
     )
+    parser.add_argument(
+        "--precisions",
+        default="fp32,bf16,default",
+        help="throughput tables to measure, comma-separated: fp32 (equal settings), bf16 "
+        "(each peer's bf16 setting), default (no precision flag against the peers' defaults)",
+    )
     parser.add_argument("--tiny-image-size", type=int, default=32)
     parser.add_argument("--tiny-steps", type=int, default=2, help="timed steps of the tiny run")
     parser.add_argument("--no-tiny", action="store_true", help="skip the tiny-run wall times")
@@ -314,6 +382,10 @@ def parse_args() -> argparse.Namespace:
     args = parser.parse_args()
     if args.quick:
         args.steps, args.repeats = 5, 1
+    args.precisions = [p.strip() for p in args.precisions.split(",") if p.strip()]
+    unknown = sorted(set(args.precisions) - set(TABLE_TITLES))
+    if unknown or not args.precisions:
+        parser.error(f"--precisions: choose from {', '.join(TABLE_TITLES)} (got {unknown})")
     return args
 
 
@@ -346,28 +418,36 @@ def chosen_contenders(names: str, sources: list[Path]) -> list[Contender]:
 def main() -> None:
     args = parse_args()
     threads = args.threads or max(1, cpu_cores() // args.nproc)
-    work = Work(args.arch, args.image_size, args.batch, args.nproc, args.steps, threads)
+    works = {
+        precision: Work(
+            args.arch, args.image_size, args.batch, args.nproc, args.steps, threads, precision
+        )
+        for precision in args.precisions
+    }
     tiny = Work(args.arch, args.tiny_image_size, args.batch, args.nproc, args.tiny_steps, threads)
     contenders = chosen_contenders(args.contenders, args.ddpcli_src)
-    kinds = [(kind, w) for kind, w, skip in (("throughput", work, args.no_throughput),
-                                             ("tiny", tiny, args.no_tiny)) if not skip]  # fmt: skip
+    kinds = [] if args.no_throughput else [(f"throughput-{p}", w) for p, w in works.items()]
+    kinds += [] if args.no_tiny else [("tiny", tiny)]
     print(f"machine: {machine_line()}; load average {os.getloadavg()[0]:.2f} at start", flush=True)
     results = Results()
     for round_ in range(1, args.repeats + 1):
         for kind, kind_work in kinds:
             for contender in contenders:
+                if contender.script and not runs_for_peers(kind, kind_work, args.precisions):
+                    continue  # the peers' defaults: their fp32 runs, this round
                 run = run_contender(contender, kind_work, kind, round_, args.timeout)
                 results.runs.append(run)
                 report_run(run, args.repeats)
     print(f"load average {os.getloadavg()[0]:.2f} at the end")
     if not args.no_throughput:
-        print_throughput_table(results, contenders, work)
+        for work in works.values():
+            print_throughput_table(results, contenders, work, args.precisions)
     if not args.no_tiny:
         print_tiny_table(results, contenders, tiny)
     if args.json:
         document = {
             "machine": machine_line(),
-            "work": work.__dict__,
+            "work": {precision: work.__dict__ for precision, work in works.items()},
             "tiny": tiny.__dict__,
             "runs": [run.__dict__ for run in results.runs],
         }
@@ -377,12 +457,12 @@ def main() -> None:
 
 
 def report_run(run: Run, rounds: int) -> None:
-    where = f"round {run.round}/{rounds} {run.kind:<10} {run.contender:<11}"
+    where = f"round {run.round}/{rounds} {run.kind:<18} {run.contender:<11}"
     if run.error:
         print(f"{where} FAILED ({run.wall_s:.1f} s): {run.error}", file=sys.stderr, flush=True)
-    elif run.kind == "throughput":
+    elif run.kind.startswith("throughput"):
         print(
-            f"{where} {run.images_per_sec:7.1f} img/s  ({run.wall_s:.1f} s, "
+            f"{where} {run.images_per_sec:7.1f} img/s {run.precision}  ({run.wall_s:.1f} s, "
             f"load {run.load_before:.2f} before)",
             file=sys.stderr,
             flush=True,

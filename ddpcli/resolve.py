@@ -20,6 +20,7 @@ from ddpcli.environments import LauncherEnv
 from ddpcli.errors import usage_error
 from ddpcli.files import folder_write_problem
 from ddpcli.machine import check_gpu_indices, check_interface, granted_gpus, physical_gpu_count
+from ddpcli.precision import auto_cpu_precision, native_cpu_bf16
 from ddpcli.tbwriter import INSTALL_HINT, tensorboard_installed
 
 DEFAULT_MASTER_PORT = 29500  # torchrun's
@@ -54,6 +55,7 @@ def resolve_train_config(cfg: TrainConfig, launcher: LauncherEnv | None) -> Trai
         values["image_size"] = NATIVE_IMAGE_SIZE.get(cfg.dataset, folder_size)
     values["augment"] = training_augment(cfg.augment, cfg.dataset)
     resolve_crop_sizes(values)
+    resolve_cpu_precision(values)
     values["out"] = values["out"] or default_out_dir()
     check_writable_folder(values["out"], "--out")
     if values["log_dir"] is not None:
@@ -122,6 +124,14 @@ def world_origin(cfg: TrainConfig, launcher: LauncherEnv | None) -> str:
         nodes = f"{cfg.min_nnodes or cfg.nnodes}:{cfg.nnodes}"
         return f"{where}; c10d rendezvous of {nodes} nodes at {host}:{port}"
     return where
+
+
+def resolve_cpu_precision(values: dict[str, Any]) -> None:
+    """`--precision auto` on the CPU (ddpcli.precision: native bf16 and a model it pays
+    for). On GPUs each worker decides from the device it is given."""
+    if values["cpu"] and values["precision"] == "auto":
+        choice = auto_cpu_precision(values["arch"], native_cpu_bf16())
+        values["precision"], values["precision_reason"] = choice
 
 
 def default_out_dir() -> Path:

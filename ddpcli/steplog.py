@@ -2,7 +2,8 @@
 `--tensorboard`, TensorBoard's event files), written by rank 0 alone.
 
 Rows come from the sums the loop already reduces at its logging points (`[loss sum,
-correct, count]` of the epoch so far, over all ranks): an interval's values are the
+correct, count]` of the epoch so far, over all ranks, then each rank's data wait and
+compute seconds): an interval's values are the
 difference between two such reductions, so logging adds no host synchronisation.
 """
 
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ddpcli import ui
+from ddpcli.rankload import rank_figures, rank_seconds
 
 STEPS_FILE = "steps.jsonl"
 TENSORBOARD_DIR = "tensorboard"
@@ -38,7 +40,10 @@ class StepLog:
         self.tensorboard = tensorboard and enabled
         self.sink: Sink | None = None
         self.totals = [0.0, 0.0, 0.0]  # the epoch's sums at the previous row
+        self.rank_totals: list[float] = []  # each rank's [wait, compute] s at the previous row
+        self.step = 0  # the step of the previous row
         self.since = time.perf_counter()
+        self.last_row: dict[str, Any] = {}
 
     def __enter__(self) -> StepLog:
         return self
@@ -51,6 +56,7 @@ class StepLog:
         """Training starts (or resumes) after STEP: the rows past it, which an interrupted
         run wrote after its last checkpoint, are dropped, since this run logs them again;
         a fresh run (step 0) starts an empty file. TensorBoard hides its own the same way."""
+        self.step = step
         if not self.enabled:
             return
         # Here, not at the top: files imports torch, and `ddpcli plot` reads rows with
@@ -67,15 +73,22 @@ class StepLog:
     def start_epoch(self, totals: list[float] | None) -> None:
         """TOTALS: the sums a resumed epoch starts from (its checkpoint's), else none."""
         self.totals = list(totals) if totals else [0.0, 0.0, 0.0]
+        self.rank_totals = []
         self.since = time.perf_counter()
 
     def record(self, position: dict[str, Any], totals: list[float], lr: float) -> None:
         """One row for the steps since the previous one. POSITION: step, epoch and
-        epoch_fraction; TOTALS: the epoch's reduced sums now (every rank calls this, with
-        the same sums, so that each keeps its interval start)."""
-        loss, correct, count = (a - b for a, b in zip(totals, self.totals, strict=True))
+        epoch_fraction; TOTALS: the epoch's reduced sums now, the metrics' then each rank's
+        [wait, compute] seconds (ddpcli.rankload); every rank calls this, with the same
+        sums, so that each keeps its interval start."""
+        metric_totals, rank_totals = totals[:3], totals[3:]
+        loss, correct, count = (a - b for a, b in zip(metric_totals, self.totals, strict=True))
         now = time.perf_counter()
         images = max(count, 1.0)
+        previous = self.rank_totals or [0.0] * len(rank_totals)
+        interval = [a - b for a, b in zip(rank_totals, previous, strict=True)]
+        wait_s, compute_s = rank_seconds(interval)
+        figures = rank_figures(wait_s, compute_s, now - self.since, position["step"] - self.step)
         row = {
             **position,
             "train_loss": loss / images,
@@ -83,8 +96,10 @@ class StepLog:
             "lr": lr,
             # The reduction that produced TOTALS waited for every rank: a synced clock.
             "images_per_sec": count / max(now - self.since, 1e-9),
+            **figures,
         }
-        self.totals, self.since = list(totals), now
+        self.totals, self.rank_totals, self.since = list(metric_totals), list(rank_totals), now
+        self.step, self.last_row = position["step"], row
         if not self.enabled:
             return
         with open(self.path, "a") as handle:

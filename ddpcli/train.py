@@ -42,6 +42,14 @@ from ddpcli.ema import WeightAverage, adjusted_decay
 from ddpcli.errors import DdpcliError, runtime_error
 from ddpcli.models import build_model
 from ddpcli.param_groups import weight_decay_groups
+from ddpcli.rankload import (
+    METRIC_SLOTS,
+    RankClock,
+    rank_figures,
+    rank_seconds,
+    slots_for,
+    straggler_note,
+)
 from ddpcli.steplog import StepLog
 from ddpcli.stopping import Interrupted, Preemption, stop_record
 from ddpcli.strategy import AUTOCAST_DTYPES, batch_split, model_devices, unwrap, wrap_model
@@ -140,10 +148,13 @@ def configure_cuda_math(precision: str, device: torch.device) -> None:
         torch.backends.cudnn.allow_tf32 = True
 
 
-def describe_precision(precision: str, device: torch.device) -> str:
+def describe_precision(precision: str, device: torch.device, reason: str | None = None) -> str:
+    """`bf16 (auto: the CPU has AMX-BF16 and resnet18 is conv/matmul-bound)`: what runs and,
+    when --precision auto chose it, why."""
+    notes = [reason] if reason else []
     if precision == "fp32" and device.type == "cuda":
-        return "fp32 (TF32 tensor cores in matmuls and convolutions)"
-    return precision
+        notes.append("TF32 tensor cores in matmuls and convolutions")
+    return f"{precision} ({'; '.join(notes)})" if notes else precision
 
 
 # --- The loop ------------------------------------------------------------------------------
@@ -182,6 +193,8 @@ class Trainer:
         self.finite_step = 0  # the last step at which the loss was checked and finite
         self.steplog = StepLog(self.out, ctx.is_main, tensorboard=cfg.tensorboard)
         self.preemption = Preemption(cfg.preempt_signal, every_steps=cfg.log_every)
+        # This rank's data wait and own compute (ddpcli.rankload).
+        self.clock = RankClock(unwrap(self.model), hook_forward=not cfg.compile)
 
     def build_ema(self) -> WeightAverage | None:
         cfg = self.cfg
@@ -334,7 +347,8 @@ class Trainer:
         ui.info(
             f"{cfg.arch} on {cfg.dataset} at {cfg.image_size} px · {self.data.describe_sizes()} · "
             f"{self.steps_per_epoch} steps per epoch · "
-            f"precision {describe_precision(cfg.precision, self.ctx.device)} · out {cfg.out}"
+            f"precision {describe_precision(cfg.precision, self.ctx.device, cfg.precision_reason)}"
+            f" · out {cfg.out}"
         )
         ui.info(
             f"strategy {cfg.strategy} · data path {self.data.path_name} · "
@@ -388,17 +402,21 @@ class Trainer:
     def run_epoch(self, progress: ui.TrainProgress) -> dict[str, Any]:
         cfg, ctx, state = self.cfg, self.ctx, self.state
         self.model.train()
-        sums = torch.zeros(3, device=ctx.device, dtype=torch.float64)  # loss, correct, count
+        # loss, correct, count; then each rank's [data wait, compute] seconds (rankload)
+        sums = torch.zeros(slots_for(ctx.world_size), device=ctx.device, dtype=torch.float64)
         if state.partial_sums and ctx.is_main:
-            sums += torch.tensor(state.partial_sums, device=ctx.device, dtype=torch.float64)
+            partial = torch.tensor(state.partial_sums, device=ctx.device, dtype=torch.float64)
+            sums[:METRIC_SLOTS] += partial
         self.steplog.start_epoch(state.partial_sums)
+        self.clock.start_epoch()
+        steps_before = state.step
         state.partial_sums = None
         batches = self.data.train_batches(state.epoch, skip_batches=state.batch_in_epoch)
         micro_total = self.data.steps_per_epoch()
         timer = StepTimer(ctx.device, micro_total - state.batch_in_epoch)
         first_step_at = None
         progress.start_epoch(state.epoch, state.batch_in_epoch)
-        for images, labels in batches:
+        for images, labels in self.clock.waited(batches):
             state.batch_in_epoch += 1
             last_micro = state.batch_in_epoch == micro_total
             steps_now = state.batch_in_epoch % cfg.accumulate == 0 or last_micro
@@ -416,8 +434,12 @@ class Trainer:
                 if self.reached_max_steps() or self.preemption.stop_now(state.step, ctx):
                     break
         totals = self.reduce_sums(sums)
+        wait_s, compute_s = rank_seconds(totals[METRIC_SLOTS:])
+        ranks = rank_figures(
+            wait_s, compute_s, self.clock.epoch_seconds(), state.step - steps_before
+        )
         if state.batch_in_epoch < micro_total:  # stopped inside: what a resume adds to
-            state.partial_sums = totals
+            state.partial_sums = totals[:METRIC_SLOTS]
         train_loss, train_acc = means(totals)
         images_per_sec = timer.images_per_sec(ctx)
         val_loss, val_acc, val_samples = self.validate(unwrap(self.model))
@@ -436,6 +458,8 @@ class Trainer:
             "peak_lr": cfg.peak_lr,
             "global_batch": self.global_batch,
             "world_size": ctx.world_size,
+            "data_path": self.data.path_name,
+            **ranks,
             **self.memory_metrics(),
             **({"first_step_at": first_step_at} if first_step_at else {}),
         }
@@ -481,11 +505,13 @@ class Trainer:
         targets: torch.Tensor,
     ) -> None:
         """TARGETS: LABELS, or Mixup/CutMix's soft targets (accuracy counts LABELS)."""
+        self.clock.compute_started()
         with self.gradient_sync(steps_now):
             with autocast_context(self.cfg, self.ctx):
                 logits = self.forward_model(images)
                 loss = self.loss_fn(logits, targets)
             self.scaler.scale(loss / accumulated).backward()
+        self.clock.backward_done()
         with torch.no_grad():
             sums[0] += loss.detach().double() * len(labels)
             sums[1] += (logits.argmax(1) == labels).sum()
@@ -495,6 +521,7 @@ class Trainer:
             self.scaler.update()
             self.optimizer.zero_grad(set_to_none=True)
             self.scheduler.step()
+        self.clock.compute_done(steps_now)
 
     def after_optimizer_step(
         self,
@@ -516,9 +543,10 @@ class Trainer:
         totals = self.reduce_sums(sums)
         self.log_step(totals)
         if logs_now:
-            progress.update(state.batch_in_epoch, *means(totals), timer.running_rate(self.ctx))
+            rate = timer.running_rate(self.ctx)
+            progress.update(state.batch_in_epoch, *means(totals), rate, self.steplog.last_row)
         if saves_now:
-            state.partial_sums = totals
+            state.partial_sums = totals[:METRIC_SLOTS]
             self.check_weights()
             self.save_checkpoint(f"step-{state.step:08d}.pt", is_best=False)
             state.partial_sums = None
@@ -533,8 +561,10 @@ class Trainer:
         self.steplog.record(position, totals, float(self.scheduler.get_last_lr()[0]))
 
     def reduce_sums(self, sums: torch.Tensor) -> list[float]:
-        """The epoch's [loss sum, correct, count] so far, over all ranks. Every rank gets
-        the same sums, so a non-finite loss stops every rank at the same step."""
+        """The epoch's [loss sum, correct, count] so far, over all ranks, then every rank's
+        data wait and compute seconds. Every rank gets the same sums, so a non-finite loss
+        stops every rank at the same step."""
+        self.clock.write(sums, self.ctx.rank)
         total = all_reduce_sum(sums.clone(), self.ctx).tolist()
         self.check_finite("the training loss", total[0])
         return total
@@ -612,6 +642,8 @@ class Trainer:
                 handle.write(ui.json_text(metrics) + "\n")
             self.steplog.epoch_end(metrics)
             ui.epoch_line(metrics, self.cfg.epochs)
+            if note := straggler_note(metrics):
+                ui.warn(f"epoch {metrics['epoch']}: {note}")
         self.save_checkpoint(f"epoch-{state.epoch:04d}.pt", is_best=is_best)
         barrier(self.ctx)
 

@@ -92,7 +92,7 @@ class TrainProgress:
                 BarColumn(),
                 MofNCompleteColumn(),
                 TextColumn("loss {task.fields[loss]:.4f} · acc {task.fields[acc]:.1%}"),
-                TextColumn("· {task.fields[rate]} img/s"),
+                TextColumn("· {task.fields[rate]} img/s{task.fields[ranks]}"),
                 TimeElapsedColumn(),
                 console=console,
                 transient=True,
@@ -111,21 +111,38 @@ class TrainProgress:
                 self.bar.remove_task(self.task)
             self.task = self.bar.add_task(
                 "train", total=self.steps, completed=done, epoch=f"{self.epoch}/{self.epochs}",
-                loss=0.0, acc=0.0, rate=rate_text(None),
+                loss=0.0, acc=0.0, rate=rate_text(None), ranks="",
             )  # fmt: skip
 
-    def update(self, step: int, loss: float, acc: float, rate: float | None) -> None:
-        """RATE is images/s over the timed window, None while that window has not opened."""
+    def update(
+        self, step: int, loss: float, acc: float, rate: float | None, row: dict | None = None
+    ) -> None:
+        """RATE is images/s over the timed window, None while that window has not opened;
+        ROW: the interval's steps.jsonl row, for the data wait and the slowest rank."""
         if not self.enabled:
             return
+        ranks = rank_text(row or {})
         if self.bar:
             if self.task is not None:  # start_epoch puts the epoch on the bar
-                self.bar.update(self.task, completed=step, loss=loss, acc=acc, rate=rate_text(rate))
+                self.bar.update(
+                    self.task, completed=step, loss=loss, acc=acc, rate=rate_text(rate), ranks=ranks
+                )
         else:
             info(
                 f"epoch {self.epoch}/{self.epochs} step {step}/{self.steps} · loss {loss:.4f} · "
-                f"acc {100 * acc:.1f}% · {rate_text(rate)} img/s"
+                f"acc {100 * acc:.1f}% · {rate_text(rate)} img/s{ranks}"
             )
+
+
+def rank_text(row: dict) -> str:
+    """` · data wait 12% · slowest rank 1 (+48%)`: the interval's mean data wait, and the
+    rank that held the others up, when one did (ddpcli.rankload)."""
+    if "data_wait_frac" not in row:
+        return ""
+    text = f" · data wait {100 * row['data_wait_frac']:.0f}%"
+    if row.get("slowest_rank") is not None:
+        text += f" · slowest rank {row['slowest_rank']} (+{100 * row['slowest_rank_excess']:.0f}%)"
+    return text
 
 
 def rate_text(rate: float | None) -> str:

@@ -26,6 +26,7 @@ from ddpcli.dist import DistContext, init_distributed, shutdown
 from ddpcli.environments import LauncherEnv, read_launcher_env
 from ddpcli.errors import INTERRUPTED, USAGE, DdpcliError, debug_requested, first_line
 from ddpcli.machine import cpu_count
+from ddpcli.precision import auto_cpu_precision, auto_gpu_precision, native_cpu_bf16
 from ddpcli.process import (
     collect_then_freeze,
     die_with_agent,
@@ -44,9 +45,12 @@ def finalize_for_device(cfg: TrainConfig, ctx: DistContext) -> TrainConfig:
     # The rate for the world this worker joined: under torchrun it may not be the one that
     # --nproc/--gpus describe.
     updates: dict[str, Any] = {"backend": ctx.backend, "peak_lr": cfg.peak_lr_at(ctx.world_size)}
-    if cfg.precision == "auto":
-        gpu_bf16 = ctx.device.type == "cuda" and torch.cuda.is_bf16_supported()
-        updates["precision"] = "bf16" if gpu_bf16 else "fp32"
+    if cfg.precision == "auto" and ctx.device.type == "cuda":
+        choice = auto_gpu_precision(torch.cuda.is_bf16_supported())
+        updates["precision"], updates["precision_reason"] = choice
+    elif cfg.precision == "auto":  # a CPU that the launcher took for a GPU machine
+        choice = auto_cpu_precision(cfg.resolved_arch, native_cpu_bf16())
+        updates["precision"], updates["precision_reason"] = choice
     return cfg.model_copy(update=updates)
 
 

@@ -5,6 +5,7 @@ on the loader and device paths, and validation's resize-then-centre-crop on both
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 import torch
@@ -243,3 +244,24 @@ def test_augment_flag_shows_its_choices_and_rejects_others(tmp_path):
     assert bad.returncode == 2 and "--augment" in bad.stderr and "Traceback" not in bad.stderr
     resolved = run_cli("train", "--dry-run", "--json", "--out", str(tmp_path))
     assert json.loads(resolved.stdout)["augment"] == "crop-flip"  # what ran, in config.json
+
+
+def test_one_image_box_in_python_matches_the_batched_draw():
+    # The loader draws one box per image in Python floats; the device path draws batches in
+    # float64 tensors: the same box, fallbacks (extreme aspects, tiny images) included.
+    rng = random.Random(0)
+    sides = [1, 3, 5, 37, 375, 500, 1000, 2000]
+    cases = [
+        (rng.randrange(10**6), rng.randrange(99), rng.randrange(300), rng.choice(sides),
+         rng.choice(sides))
+        for _ in range(400)
+    ]  # fmt: skip
+    indices = torch.tensor([case[0] for case in cases])
+    for seed, epoch in {(case[1], case[2]) for case in cases[:40]}:
+        heights = torch.tensor([case[3] for case in cases])
+        widths = torch.tensor([case[4] for case in cases])
+        boxes = augment.resized_crop_boxes(seed, epoch, indices, heights, widths)
+        for row, (index, _, _, height, width) in enumerate(cases):
+            want = (boxes.top[row], boxes.left[row], boxes.height[row], boxes.width[row])
+            got = augment.crop_box_one(index, seed, epoch, height, width)
+            assert got[:4] == tuple(int(v) for v in want) and got.flip == bool(boxes.flip[row])

@@ -161,9 +161,13 @@ def train_in_process(cfg: TrainConfig) -> tuple[Trainer, dict]:
     return trainer, trainer.fit()
 
 
-def test_precision_auto_is_fp32_on_the_cpu():
+def test_precision_auto_on_the_cpu_asks_the_processor(monkeypatch):
+    monkeypatch.setattr("ddpcli.worker.native_cpu_bf16", lambda: None)
     cfg = finalize_for_device(TrainConfig(cpu=True, arch="tinycnn"), context())
     assert cfg.precision == "fp32" and cfg.backend == "gloo"
+    monkeypatch.setattr("ddpcli.worker.native_cpu_bf16", lambda: "AVX512_BF16")
+    cfg = finalize_for_device(TrainConfig(cpu=True, arch="tinycnn"), context())
+    assert cfg.precision == "bf16" and "AVX512_BF16" in cfg.precision_reason
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
@@ -198,7 +202,8 @@ def test_loader_path_under_ddp_records_what_ran(tmp_path):
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     config = json.loads((out / "config.json").read_text())
-    assert config["precision"] == "fp32"  # auto, resolved on the CPU
+    # auto, resolved on the CPU: bf16 where it has native bf16, and why
+    assert config["precision"] in ("fp32", "bf16") and config["precision_reason"].startswith("auto")
     assert config["data_path"] == "loader" and config["bucket_cap_mb"] == 1.0
     assert "data path loader (1 workers)" in result.stderr
     first, second = (json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines())

@@ -38,6 +38,12 @@ def parse_args(description: str) -> argparse.Namespace:
     # Only Lightning takes it (it starts its ranks itself); torchrun sets the others' world.
     parser.add_argument("--devices", type=int, default=2, help="processes (Lightning)")
     parser.add_argument("--result", type=Path, help="rank 0 writes its figures here (JSON)")
+    parser.add_argument(
+        "--precision",
+        choices=["default", "bf16"],
+        default="default",
+        help="default: the framework's own (fp32 in all three); bf16: its bf16 autocast setting",
+    )
     args = parser.parse_args()
     args.total_steps = args.warmup + args.steps
     return args

@@ -28,7 +28,9 @@ from torch.utils.data import DataLoader, TensorDataset
 def main() -> None:
     args = parse_args(__doc__)
     threads = apply_thread_count()
-    accelerator = Accelerator(cpu=True)
+    # Accelerate's own default (no mixed precision) unless bf16 is asked for.
+    mixed = {"mixed_precision": "bf16"} if args.precision == "bf16" else {}
+    accelerator = Accelerator(cpu=True, **mixed)
     set_seed(args.seed)
     model = torchvision.models.get_model(args.arch, weights=None, num_classes=10)
     optimizer = torch.optim.SGD(model.parameters(), args.lr, momentum=0.9, weight_decay=5e-4)

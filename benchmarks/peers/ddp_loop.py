@@ -4,7 +4,8 @@
 
 DistributedSampler + DataLoader over a TensorDataset, DDP on the CPU with Gloo, SGD with
 momentum and weight decay, loss and top-1 accuracy read every step as the example's
-meters do.
+meters do. `--precision bf16`: forward and loss under torch.autocast("cpu", torch.bfloat16),
+as PyTorch's AMP documentation writes it for the CPU.
 """
 
 from __future__ import annotations
@@ -52,8 +53,9 @@ def main() -> None:
     model.train()
     loss_sum = correct = seen = 0.0
     for step, (images, target) in enumerate(loader, start=1):
-        output = model(images)
-        loss = criterion(output, target)
+        with torch.autocast("cpu", torch.bfloat16, enabled=args.precision == "bf16"):
+            output = model(images)
+            loss = criterion(output, target)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()

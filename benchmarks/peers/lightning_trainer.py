@@ -89,6 +89,8 @@ def main() -> None:
         num_sanity_val_steps=0,
         limit_val_batches=0,
         callbacks=[ThroughputCallback(args)],
+        # Lightning's own default ("32-true") unless bf16 is asked for: its bf16 autocast.
+        **({"precision": "bf16-mixed"} if args.precision == "bf16" else {}),
     )
     trainer.fit(Classifier(args.arch, args.lr), train_dataloaders=loader)
     if torch.distributed.is_initialized():

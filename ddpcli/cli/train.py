@@ -181,7 +181,12 @@ def train(
     seed: Annotated[int | None, train_option("seed", panel=MODEL)] = None,
     precision: Annotated[
         str | None,
-        train_option("precision", "auto: bf16 on GPUs that have it, else fp32.", MODEL),
+        train_option(
+            "precision",
+            "auto: bf16 on GPUs that have it, and on CPUs with native bf16 (AVX512_BF16, "
+            "AMX) for models of dense convolutions and matmuls; else fp32. The header says why.",
+            MODEL,
+        ),
     ] = None,
     compile: Annotated[
         bool | None, train_option("compile", "torch.compile the model.", MODEL)
@@ -488,6 +493,24 @@ def resource_line(cfg, summary: dict) -> str:
     return line
 
 
+def report_rank_load(cfg, summary: dict) -> None:
+    """The last epoch's data wait and compute per rank; the straggler named, with a hint."""
+    from ddpcli.rankload import straggler_note
+
+    if "data_wait_frac_per_rank" not in summary:
+        return
+    waits = ", ".join(
+        f"{i}: {100 * f:.0f}%" for i, f in enumerate(summary["data_wait_frac_per_rank"])
+    )
+    computes = ", ".join(f"{i}: {ms:.1f}" for i, ms in enumerate(summary["compute_ms_per_rank"]))
+    ui.info(
+        f"data wait {100 * summary['data_wait_frac']:.0f}% of the step (per rank: {waits}) · "
+        f"compute per step, ms: {computes}"
+    )
+    if note := straggler_note(summary):
+        ui.warn(note)
+
+
 def report_training(cfg, summary: dict, json_output: bool) -> None:
     from ddpcli.environments import read_launcher_env
 
@@ -503,6 +526,7 @@ def report_training(cfg, summary: dict, json_output: bool) -> None:
     if "val_acc" in summary:
         ui.info(f"done: {ui.format_metrics(summary)}")
         ui.info(resource_line(cfg, summary))
+        report_rank_load(cfg, summary)
     if summary.get("skipped_images"):
         ui.warn(
             f"--skip-bad-images left out {summary['skipped_images']} image(s) that cannot be "

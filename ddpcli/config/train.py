@@ -59,6 +59,9 @@ else:  # pragma: no cover
 # is handed to PATH.rankN, one JSON line per batch. A debugging aid, and the evidence the
 # resume tests use that no sample is trained twice or missed (docs/checkpoints.md).
 TRACE_SAMPLES_VARIABLE = "DDPCLI_TRACE_SAMPLES"
+# DDPCLI_SLOW_DATA=RANK:SECONDS: rank RANK waits SECONDS more for each training batch. A
+# straggler made on purpose, to see (and test) what the run reports about it.
+SLOW_DATA_VARIABLE = "DDPCLI_SLOW_DATA"
 # Below a second no rank can even join: init and every collective are bounded by --timeout.
 MIN_TIMEOUT_S = 1.0
 
@@ -282,12 +285,17 @@ class TrainConfig(BaseModel):
     preempt_signal: Literal["TERM", "USR1"] = "TERM"
     # debugging: each rank appends the sample indices of every training batch to PATH.rankN
     trace_samples: Path | None = None
+    # debugging: (rank, seconds) from DDPCLI_SLOW_DATA, a rank slowed on purpose
+    slow_data: tuple[int, float] | None = None
     # Resolved, never given: --lr scaled to the global batch of the world that really runs
     # (`ddpcli.resolve` for --dry-run, each worker from its process group), so that
     # config.json holds the rate the optimizer used.
     peak_lr: float | None = None
     # Resolved, never given: where the world came from, in words, for the run's header.
     world_from: str | None = None
+    # Resolved, never given: why `--precision auto` became what `precision` holds (the header
+    # says it; ddpcli.precision decides it).
+    precision_reason: str | None = None
 
     @field_validator("init_method")
     @classmethod
@@ -599,6 +607,19 @@ def train_setting_origins(flags: dict[str, Any], recipe: Path | None) -> dict[st
     return setting_origins(load_recipe(recipe) if recipe else {}, given(flags), recipe)
 
 
+def parse_slow_data(text: str) -> tuple[int, float]:
+    rank, _, seconds = text.partition(":")
+    try:
+        parsed = int(rank), float(seconds)
+    except ValueError:
+        parsed = (-1, -1.0)
+    if parsed[0] < 0 or not 0 <= parsed[1] <= 60:
+        raise usage_error(
+            f"invalid {SLOW_DATA_VARIABLE}: give RANK:SECONDS, e.g. 1:0.05 (got {text!r})"
+        )
+    return parsed
+
+
 def build_train_config(
     flags: dict[str, Any], recipe: Path | None, environ: Mapping[str, str] | None = None
 ) -> TrainConfig:
@@ -608,6 +629,8 @@ def build_train_config(
     from_recipe = load_recipe(recipe) if recipe else {}
     from_flags = given(flags)
     values = {**from_pod, **without_overridden(from_recipe, from_flags), **from_flags}
+    if "precision_reason" in values:
+        raise usage_error("precision_reason is not a setting; the run states why it chose one")
     if "peak_lr" in values:
         where = f"recipe {recipe}" if recipe and "peak_lr" in from_recipe else "the flags"
         raise usage_error(
@@ -618,6 +641,8 @@ def build_train_config(
         values.setdefault("trace_samples", Path(env[TRACE_SAMPLES_VARIABLE]))
     if pod := pet_variables(env):
         values["world_from"] = describe_pod(pod)
+    if env.get(SLOW_DATA_VARIABLE):
+        values.setdefault("slow_data", parse_slow_data(env[SLOW_DATA_VARIABLE]))
     try:
         return validated(TrainConfig, values)
     except DdpcliError as error:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -209,23 +209,72 @@ def _centre_boxes(image_h: torch.Tensor, image_w: torch.Tensor) -> tuple[torch.T
     )
 
 
+class CropBox(NamedTuple):
+    """One image's random-resized crop, in the pixels of the image as stored."""
+
+    top: int
+    left: int
+    height: int
+    width: int
+    flip: bool
+
+
+def crop_box_one(index: int, seed: int, epoch: int, height: int, width: int) -> CropBox:
+    """The box resized_crop_boxes draws for one image of HEIGHT x WIDTH, in Python's own
+    integers and float64: the same operations in the same order (IEEE rounds each alike),
+    without a hundred small tensor operations per image in a loader worker.
+    tests/test_augment.py checks it against the batched draw."""
+    hashed = _mix_int(((seed * 1_000_003 + epoch * 7_919) + index + _GOLDEN) & _MASK64)
+    image_h, image_w = float(height), float(width)
+    log_low, log_high = math.log(RRC_RATIO[0]), math.log(RRC_RATIO[1])
+    for attempt in range(RRC_TRIES):
+        shape_word = _mix_int((hashed + (2 * attempt + 1) * _GOLDEN) & _MASK64)
+        place_word = _mix_int((hashed + (2 * attempt + 2) * _GOLDEN) & _MASK64)
+        area_u, aspect_u = (shape_word >> 32) * 2.0**-32, (shape_word & 0xFFFFFFFF) * 2.0**-32
+        area = image_h * image_w * (RRC_SCALE[0] + (RRC_SCALE[1] - RRC_SCALE[0]) * area_u)
+        aspect = _exp_float(log_low + (log_high - log_low) * aspect_u)
+        box_w, box_h = round(math.sqrt(area * aspect)), round(math.sqrt(area / aspect))
+        if 0 < box_w <= width and 0 < box_h <= height:
+            top_u, left_u = (place_word >> 32) * 2.0**-32, (place_word & 0xFFFFFFFF) * 2.0**-32
+            top = math.floor(top_u * (image_h - box_h + 1))
+            left = math.floor(left_u * (image_w - box_w + 1))
+            return CropBox(top, left, box_h, box_w, bool(hashed & 1))
+    low, high = RRC_RATIO
+    box_w = round(image_h * high) if image_w / image_h > high else width
+    box_h = round(image_w / low) if image_w / image_h < low else height
+    top, left = math.floor((height - box_h) / 2), math.floor((width - box_w) / 2)
+    return CropBox(top, left, box_h, box_w, bool(hashed & 1))
+
+
+def _mix_int(z: int) -> int:
+    """splitmix64's finaliser on a Python int in [0, 2**64): _mix's bits, one sample."""
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def _exp_float(x: float) -> float:
+    """_exp on one float: the same series, the same order."""
+    result = _EXP_SERIES[-1]
+    for coefficient in reversed(_EXP_SERIES[:-1]):
+        result = result * x + coefficient
+    return result
+
+
 def resized_crop_one(
     image: torch.Tensor, index: int, seed: int, epoch: int, size: int
 ) -> torch.Tensor:
-    """The loader's random-resized crop of one uint8 image as decoded: the box cut from it,
-    resized (bilinear, antialiased) to size x size, mirrored if drawn so."""
+    """The random-resized crop of one uint8 image held in memory: the box cut from it,
+    resized (bilinear, antialiased) to size x size, mirrored if drawn so. (Image files take
+    ddpcli.data.decode.read_resized_crop, which decodes only what the crop needs.)"""
     from torchvision.transforms.v2 import functional as TF
 
-    height, width = image.shape[-2:]
-    boxes = resized_crop_boxes(
-        seed, epoch, torch.tensor([index]), torch.tensor([height]), torch.tensor([width])
-    )
-    top, left, box_h, box_w = (int(v) for v in (boxes.top, boxes.left, boxes.height, boxes.width))
+    box = crop_box_one(index, seed, epoch, *image.shape[-2:])
     # Contiguous first: resize's uint8 kernel needs it, and a strided crop takes a float
     # detour several times slower. Same pixels as TF.resized_crop.
-    crop = image[:, top : top + box_h, left : left + box_w].contiguous()
+    crop = image[:, box.top : box.top + box.height, box.left : box.left + box.width].contiguous()
     crop = TF.resize(crop, [size, size], antialias=True)
-    return crop.flip(2) if bool(boxes.flip) else crop
+    return crop.flip(2) if box.flip else crop
 
 
 def resample_boxes(

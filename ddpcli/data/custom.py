@@ -170,5 +170,6 @@ class CustomDataset(KeyedImages):
         where = f"{self.spec} {self.split} item {index}"
         return as_uint8_image(image, where), checked_label(label, self.num_classes, where)
 
-    def centred(self, image: torch.Tensor) -> torch.Tensor:
-        return centre_view(image, self.image_size)
+    def centred(self, index: int) -> tuple[torch.Tensor, int]:
+        image, label = self.load(index)
+        return centre_view(image, self.image_size), label

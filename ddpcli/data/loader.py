@@ -6,14 +6,16 @@ normalisation on the device.
 from __future__ import annotations
 
 import abc
+import functools
 import os
 from typing import Any
 
 import torch
 
-from ddpcli.data.augment import Augment, crop_and_flip_one, resized_crop_one
+from ddpcli.data.augment import Augment, crop_and_flip_one, crop_box_one, resized_crop_one
 from ddpcli.data.autoaugment import auto_augment_images
-from ddpcli.data.sets import ImageSet, Sample, centre_view_at, read_rgb, resize_side
+from ddpcli.data.decode import read_resized_crop, read_rgb, read_rgb_at_least
+from ddpcli.data.sets import ImageSet, Sample, centre_view_at, resize_side
 
 
 class KeyedImages(torch.utils.data.Dataset, abc.ABC):
@@ -43,23 +45,29 @@ class KeyedImages(torch.utils.data.Dataset, abc.ABC):
     def load(self, index: int) -> tuple[torch.Tensor, int]:
         """uint8 (3, H, W) as held or decoded, and the label."""
 
-    def centred(self, image: torch.Tensor) -> torch.Tensor:
+    def centred(self, index: int) -> tuple[torch.Tensor, int]:
         """The image at the training size without augmentation (validation's view)."""
-        return image
+        return self.load(index)
+
+    def resized_crop(self, index: int, key: int, epoch: int) -> tuple[torch.Tensor, int]:
+        """The random-resized crop of image INDEX drawn for KEY, cut from the image as
+        stored, not from a centre view."""
+        image, label = self.load(index)
+        return resized_crop_one(image, key, self.seed, epoch, self.crop_size), label
 
     def __getitem__(self, key: tuple[int, int]) -> tuple[torch.Tensor, int]:
         """KEY: (sample key, epoch); the key names the image `key % len(self)` and keys its
         draws (ddpcli.data.ra_sampler: copies of one image are augmented differently)."""
-        index, epoch = key
-        image, label = self.load(index % len(self))
-        if self.augment == "rrc":  # cut from the image as decoded, not from a centre view
-            image = resized_crop_one(image, index, self.seed, epoch, self.crop_size)
+        sample_key, epoch = key
+        index = sample_key % len(self)
+        if self.augment == "rrc":
+            image, label = self.resized_crop(index, sample_key, epoch)
         else:
-            image = self.centred(image)
+            image, label = self.centred(index)
             if self.augment == "crop-flip":
-                image = crop_and_flip_one(image, index, self.seed, epoch)
+                image = crop_and_flip_one(image, sample_key, self.seed, epoch)
         if self.auto_augment is not None:
-            keys = torch.tensor([index])
+            keys = torch.tensor([sample_key])
             image = auto_augment_images(image[None], keys, self.seed, epoch, self.auto_augment)[0]
         return image, label
 
@@ -79,9 +87,10 @@ class MemoryDataset(KeyedImages):
 
 
 class FolderDataset(KeyedImages):
-    """ImageNet-layout images, decoded and resized per item in DataLoader workers. An image
-    that cannot be decoded ends the run with UnreadableImage, naming it (--skip-bad-images
-    leaves such files out of `samples` before training: ddpcli.data.sets.drop_unreadable)."""
+    """ImageNet-layout images, decoded and resized per item in DataLoader workers, each
+    JPEG at the smallest scale its view needs (ddpcli.data.decode). An image that cannot
+    be decoded ends the run with UnreadableImage, naming it (--skip-bad-images leaves such
+    files out of `samples` before training: ddpcli.data.sets.drop_unreadable)."""
 
     def __init__(
         self,
@@ -105,8 +114,15 @@ class FolderDataset(KeyedImages):
         path, label = self.samples[index]
         return read_rgb(path), label
 
-    def centred(self, image: torch.Tensor) -> torch.Tensor:
-        return centre_view_at(image, *self.view)
+    def centred(self, index: int) -> tuple[torch.Tensor, int]:
+        path, label = self.samples[index]
+        resize, crop = self.view
+        return centre_view_at(read_rgb_at_least(path, resize), resize, crop), label
+
+    def resized_crop(self, index: int, key: int, epoch: int) -> tuple[torch.Tensor, int]:
+        path, label = self.samples[index]
+        box_for = functools.partial(crop_box_one, key, self.seed, epoch)
+        return read_resized_crop(path, box_for, self.crop_size), label
 
 
 class ShardSampler(torch.utils.data.Sampler):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import time
 from pathlib import Path
 
 import torch
@@ -92,6 +93,21 @@ class TracedBatches:
                 handle.write(json.dumps({"epoch": self.epoch, "indices": chunk}) + "\n")
                 handle.flush()
                 yield batch
+
+
+class SlowedBatches:
+    """Batches handed out SECONDS late each (DDPCLI_SLOW_DATA): a straggler on purpose."""
+
+    def __init__(self, batches, seconds: float):
+        self.batches, self.seconds = batches, seconds
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self):
+        for batch in self.batches:
+            time.sleep(self.seconds)
+            yield batch
 
 
 def on_device(image_set: ImageSet, device: torch.device) -> ImageSet:
@@ -241,7 +257,12 @@ class DataPipeline:
                 self.cfg.random_erase,
             )  # fmt: skip
         if self.trace_file:
-            return TracedBatches(batches, indices, self.cfg.per_gpu_batch, self.trace_file, epoch)
+            batches = TracedBatches(
+                batches, indices, self.cfg.per_gpu_batch, self.trace_file, epoch
+            )
+        slow = self.cfg.slow_data
+        if slow is not None and slow[0] == self.ctx.rank:
+            batches = SlowedBatches(batches, slow[1])
         return batches
 
     def epoch_keys(self, epoch: int) -> list[int]:

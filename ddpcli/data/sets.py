@@ -19,8 +19,9 @@ import torch.nn.functional as F
 from ddpcli import ui
 from ddpcli.config import TrainConfig
 from ddpcli.data.augment import training_augment
+from ddpcli.data.decode import UnreadableImage, read_rgb
 from ddpcli.dist import DistContext, all_gather_object, rank_zero_prepares
-from ddpcli.errors import USAGE, DdpcliError, first_line, usage_error
+from ddpcli.errors import usage_error
 from ddpcli.files import atomic_save
 
 STL10_SIDE = 96
@@ -369,47 +370,6 @@ def check_split_sizes(data_dir: Path, train: int, val: int, skipped: list[str]) 
                 f"no image in {data_dir / split} can be decoded ({len(skipped)} skipped, "
                 f"first {skipped[0] if skipped else 'none'}); check the files"
             )
-
-
-class UnreadableImage(DdpcliError):
-    """An image file that cannot be decoded: exit 2 (bad input), naming the file.
-
-    Raised in a DataLoader worker, it reaches the training process re-created from the
-    worker's formatted traceback, whose last line is `ddpcli.data.sets.UnreadableImage:
-    <message>`; only that message is kept, so the user still reads one line."""
-
-    def __init__(self, message: str) -> None:
-        last = (message.strip().splitlines() or [message])[-1]
-        super().__init__(last.split(f"{UnreadableImage.__name__}: ", 1)[-1], USAGE)
-
-
-def read_rgb(path: Path) -> torch.Tensor:
-    """uint8 (3, H, W). PIL decodes: torchvision.io's decoders are deprecated from 0.29.
-
-    Every mode becomes RGB as torchvision's ImageFolder makes it (PIL's `convert("RGB")`):
-    grey repeated, CMYK converted without a colour profile, alpha (RGBA, LA, a palette's
-    transparency) dropped, not composited. A palette with transparency goes through RGBA,
-    which gives the same pixels without PIL's warning."""
-    from PIL import Image
-    from torchvision.transforms.v2.functional import pil_to_tensor
-
-    try:
-        with Image.open(path) as image:
-            if image.mode == "P" and "transparency" in image.info:
-                rgb = image.convert("RGBA").convert("RGB")
-            else:
-                rgb = image.convert("RGB")
-    except (OSError, SyntaxError, ValueError, EOFError, Image.DecompressionBombError) as error:
-        reason = (
-            "not an image file PIL can read"
-            if isinstance(error, Image.UnidentifiedImageError)
-            else first_line(error)
-        )
-        raise UnreadableImage(
-            f"cannot decode image {path}: {reason}; fix or delete the file, or pass "
-            "--skip-bad-images to leave such files out"
-        ) from None
-    return pil_to_tensor(rgb)
 
 
 def is_readable(path: Path) -> bool:

@@ -1,0 +1,102 @@
+"""The loader path's image decoding: JPEGs decoded at a reduced scale when the crop is
+downsampled anyway, with the same draws and, within interpolation tolerance, the same
+pixels as a full decode followed by torchvision's antialiased resize."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from ddpcli.data.augment import crop_box_one, resized_crop_one
+from ddpcli.data.decode import (
+    UnreadableImage,
+    read_resized_crop,
+    read_rgb,
+    read_rgb_at_least,
+    reduce_while_decoding,
+)
+from ddpcli.data.sets import centre_view, resize_side
+
+
+def photo(seed: int, width: int = 500, height: int = 375) -> Image.Image:
+    """Smooth colour waves with grain: ImageNet-sized, and not flat enough to hide errors."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:height, 0:width] / 50.0
+    waves = [np.sin(x * rng.uniform(0.5, 2) + rng.uniform(0, 6)) + np.cos(y * rng.uniform(0.5, 2))
+             for _ in range(3)]  # fmt: skip
+    pixels = np.stack(waves, -1)
+    pixels = (pixels - pixels.min()) / np.ptp(pixels) * 255 + rng.normal(0, 8, pixels.shape)
+    return Image.fromarray(pixels.clip(0, 255).astype(np.uint8))
+
+
+@pytest.fixture(scope="module")
+def photos(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("photos")
+    paths = {}
+    for seed in range(2):
+        image = photo(seed)
+        image.save(folder / f"{seed}.jpg", quality=90)
+        image.save(folder / f"{seed}.png")
+        paths[seed] = (folder / f"{seed}.jpg", folder / f"{seed}.png")
+    return paths
+
+
+def full_decode_crop(path, index: int, epoch: int, size: int) -> torch.Tensor:
+    """The path before: every pixel decoded, the box cut, torchvision's uint8 resize."""
+    return resized_crop_one(read_rgb(path), index, 0, epoch, size)
+
+
+@pytest.mark.parametrize("size", [16, 32])
+def test_reduced_jpeg_crops_match_a_full_decode(photos, size):
+    for index, (jpeg, _) in photos.items():
+        for epoch in range(4):
+            box_for = functools.partial(crop_box_one, index, 0, epoch)
+            got = read_resized_crop(jpeg, box_for, size)
+            want = full_decode_crop(jpeg, index, epoch, size)
+            assert got.dtype == torch.uint8 and got.shape == (3, size, size)
+            difference = (got.float() - want.float()).abs()
+            assert difference.mean() < 1.5 and difference.max() <= 16, (index, epoch)
+            mirrored = (got.flip(2).float() - want.float()).abs().mean()
+            assert mirrored > 3 * difference.mean()  # the same flip drawn, the same box
+
+
+def test_a_jpeg_decodes_reduced_only_as_far_as_the_crop_allows(photos):
+    jpeg, png = photos[0]
+    with Image.open(jpeg) as image:
+        assert reduce_while_decoding(image, 62, 46) == 8 and image.size == (63, 47)
+    with Image.open(jpeg) as image:  # a box of 100 px to 64 px: no scale keeps it >= 64
+        assert reduce_while_decoding(image, 320, 240) == 1
+    with Image.open(png) as image:  # other formats decode whole
+        assert reduce_while_decoding(image, 62, 46) == 1 and image.size == (500, 375)
+
+
+def test_png_crops_match_torchvision_within_rounding(photos):
+    _, png = photos[1]
+    for epoch in range(4):
+        got = read_resized_crop(png, functools.partial(crop_box_one, 1, 0, epoch), 24)
+        want = full_decode_crop(png, 1, epoch, 24)
+        assert (got.float() - want.float()).abs().mean() < 0.5
+
+
+def test_validation_view_of_a_reduced_jpeg(photos):
+    jpeg, png = photos[0]
+    side = resize_side(32)
+    reduced = read_rgb_at_least(jpeg, side)
+    assert min(reduced.shape[-2:]) >= side and reduced.shape[-1] < 500  # decoded smaller
+    got, want = centre_view(reduced, 32).float(), centre_view(read_rgb(jpeg), 32).float()
+    assert (got - want).abs().mean() < 2.5
+    assert torch.equal(
+        centre_view(read_rgb_at_least(png, side), 32), centre_view(read_rgb(png), 32)
+    )
+
+
+def test_an_unreadable_file_is_named(tmp_path):
+    bad = tmp_path / "broken.jpg"
+    bad.write_bytes(b"\xff\xd8\xff\xe0 not really a jpeg")
+    with pytest.raises(UnreadableImage, match="broken.jpg") as error:
+        read_resized_crop(bad, functools.partial(crop_box_one, 0, 0, 0), 16)
+    assert error.value.exit_code == 2
