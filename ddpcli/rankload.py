@@ -30,6 +30,9 @@ if TYPE_CHECKING:  # the CLI reports with this module and must not import torch
 STRAGGLER_EXCESS = 0.10
 # A data wait above this share of the step gets a hint: the input pipeline is the limit.
 DATA_WAIT_HINT = 0.25
+# An epoch of fewer optimizer steps gives figures too noisy to warn on (a busy core, the
+# first step's allocations): they are still recorded, but no warning line names a rank.
+STEPS_TO_WARN = 8
 METRIC_SLOTS = 3  # the loop's own sums come first: [loss sum, correct, count]
 
 Batch = TypeVar("Batch")
@@ -133,6 +136,7 @@ def rank_figures(
         "compute_ms_per_rank": [round(1000 * compute / steps, 2) for compute in compute_s],
         "slowest_rank": slowest if named else None,
         "slowest_rank_excess": round(excess, 4) if named else 0.0,
+        "timed_steps": steps,
     }
 
 
@@ -140,6 +144,8 @@ def straggler_note(metrics: dict[str, Any]) -> str:
     """One line for the user when a rank holds the others up or the data path is the limit;
     "" otherwise."""
     if "data_wait_frac_per_rank" not in metrics:
+        return ""
+    if metrics.get("timed_steps", STEPS_TO_WARN) < STEPS_TO_WARN:
         return ""
     fractions = metrics["data_wait_frac_per_rank"]
     slowest = metrics.get("slowest_rank")

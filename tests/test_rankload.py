@@ -29,6 +29,12 @@ def test_ranks_within_ten_percent_name_no_one():
     assert straggler_note({**figures, "data_path": "device"}) == ""
 
 
+def test_an_epoch_of_few_steps_warns_on_no_one():
+    figures = rank_figures(wait_s=[0.1, 3.0], compute_s=[2.0, 2.0], wall_s=5.0, steps=4)
+    assert figures["slowest_rank"] == 1  # recorded, but too few steps for a warning line
+    assert straggler_note({**figures, "data_path": "loader"}) == ""
+
+
 def test_slow_data_variable_is_checked():
     cfg = build_train_config({}, None, environ={"DDPCLI_SLOW_DATA": "1:0.05"})
     assert cfg.slow_data == (1, 0.05)
