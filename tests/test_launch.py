@@ -7,6 +7,7 @@ before any worker starts; Ctrl-C gives one line and exit 130.
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import socket
@@ -158,7 +159,7 @@ def test_a_failing_script_names_the_rank_that_failed_first(tmp_path, failure):
         (["--ifname", "nosuchif0", "x.py"], "invalid --ifname: interface 'nosuchif0' does not"),
         (["--gpus", "63", "x.py"], "invalid --gpus: GPU 63 does not exist"),
         (["--nnodes", "2", "--node-rank", "2", "x.py"], "invalid --node-rank: 2 must be below"),
-        (["--nproc", "two", "x.py"], "Invalid value for '--nproc'"),
+        (["--nproc", "two", "x.py"], "invalid --nproc: give auto, gpu, cpu or a number"),
         (["--nnodes", "3:2", "x.py"], "invalid --nnodes: MIN:MAX needs 1 <= MIN <= MAX"),
     ],
 )
@@ -235,3 +236,22 @@ def test_elastic_membership_and_a_pods_variables_reach_the_workers(tmp_path):
     result = run_cli("launch", "--timeout", "30", "world.py", env=env, timeout=90, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "rank 0 of 2" in result.stdout + result.stderr
+
+
+@pytest.mark.parametrize(("given", "expected"), [("auto", None), ("gpu", None), ("3", 3)])
+def test_torchrun_nproc_per_node_words_are_taken(given, expected):
+    from ddpcli.config.launch import build_launch_config
+
+    cfg = build_launch_config({"nproc": given, "target": "train.py"}, environ={})
+    assert cfg.nproc == expected  # None: ddpcli's default, one per GPU, else 2
+
+
+def test_nproc_per_node_cpu_is_one_per_core_and_a_word_it_lacks_exits_2():
+    from ddpcli.config.launch import build_launch_config
+    from ddpcli.errors import DdpcliError
+
+    cfg = build_launch_config({"nproc": "cpu", "target": "train.py"}, environ={})
+    assert cfg.nproc == (os.cpu_count() or 1)
+    with pytest.raises(DdpcliError, match="invalid --nproc: give auto, gpu, cpu") as error:
+        build_launch_config({"nproc": "many", "target": "train.py"}, environ={})
+    assert error.value.exit_code == 2

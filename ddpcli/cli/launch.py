@@ -45,9 +45,10 @@ def launch(
         ),
     ] = None,
     nproc: Annotated[
-        int | None,
+        str | None,
         option(
-            "Processes on this node.",
+            "Processes on this node: N, or torchrun's auto, gpu (one per GPU, else 2) or cpu "
+            "(one per core).",
             default="one per GPU, else 2",
             decls=("--nproc", *spellings("nproc-per-node")),
         ),

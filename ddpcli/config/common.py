@@ -195,13 +195,14 @@ def pod_defaults(
     return values, origins
 
 
-def nproc_spec(text: str) -> str | int:
-    """PET_NPROC_PER_NODE as torchrun takes it: auto, gpu, cpu or a count."""
+def nproc_spec(text: str, source: str = "PET_NPROC_PER_NODE") -> str | int:
+    """PET_NPROC_PER_NODE (or --nproc-per-node) as torchrun takes it: auto, gpu, cpu or a
+    count."""
     value = text.strip().lower()
     if value.isdigit() and int(value) >= 1:
         return int(value)
     if value in ("auto", "gpu", "cpu"):
         return value
     raise usage_error(
-        f"invalid PET_NPROC_PER_NODE: give auto, gpu, cpu or a number of processes (got {text!r})"
+        f"invalid {source}: give auto, gpu, cpu or a number of processes (got {text!r})"
     )

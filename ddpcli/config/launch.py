@@ -101,6 +101,10 @@ def build_launch_config(
     env = os.environ if environ is None else environ
     from_pod, pod_origins = pod_defaults(env, launch_nproc_settings)
     from_flags = given(flags)
+    if isinstance(from_flags.get("nproc"), str):  # torchrun's --nproc-per-node auto|gpu|cpu|N
+        settings = launch_nproc_settings(from_flags.pop("nproc"), "--nproc")
+        from_pod.pop("nproc", None)  # a flag wins, even `auto`
+        from_flags.update(settings)
     try:
         return validated(ScriptLaunchConfig, {**from_pod, **from_flags})
     except DdpcliError as error:
@@ -108,10 +112,10 @@ def build_launch_config(
         raise with_origins(error, origins) from None
 
 
-def launch_nproc_settings(text: str) -> dict[str, Any]:
+def launch_nproc_settings(text: str, source: str = "PET_NPROC_PER_NODE") -> dict[str, Any]:
     """PET_NPROC_PER_NODE for `ddpcli launch`: N processes, cpu: one per core; auto and gpu:
     one per GPU (else 2, ddpcli's default; torchrun's auto would start one per core)."""
-    spec = nproc_spec(text)
+    spec = nproc_spec(text, source)
     if isinstance(spec, int):
         return {"nproc": spec}
     return {"nproc": os.cpu_count() or 1} if spec == "cpu" else {}
