@@ -104,7 +104,8 @@ def main() -> None:
                 run_ddpcli(data, flags, args, seed, Path(scratch) / f"{name}-{seed}")
                 for seed in seeds
             ]
-            print(f"done: {name}", file=sys.stderr)
+            scores = ", ".join(f"{r['val_acc']:.4f}" for r in results[name])
+            print(f"done: {name} (val acc {scores})", file=sys.stderr, flush=True)
     base = statistics.fmean(r["val_acc"] for r in results["baseline"])
     print(
         f"{'STL-10' if args.stl10 else 'digits folder'}: {args.arch} at {args.size} px, "

@@ -1,9 +1,11 @@
 """`ddpcli train` end to end: real Gloo processes, real files."""
 
 import json
+import os
+import signal
 import sys
 
-from conftest import read_metrics, run_bounded, run_cli
+from conftest import LiveProcess, clean_env, read_metrics, run_bounded, run_cli
 
 TINY = ["--cpu", "--arch", "tinycnn", "--image-size", "16", "--per-gpu-batch", "32"]
 
@@ -87,6 +89,25 @@ def test_under_torchrun_each_process_is_one_worker(tmp_path):
     metrics = read_metrics(out)
     assert len(metrics) == 1  # one world of 2, not two worlds of 2
     assert metrics[0]["world_size"] == 2
+
+
+def test_ctrl_c_under_torchrun_is_said_once_for_the_job(tmp_path):
+    """Under torchrun every rank is a `ddpcli train` of its own; only rank 0 says where the
+    run stopped (the others would repeat its line)."""
+    out = tmp_path / "run"
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        "-m", "ddpcli", "train", *TINY, "--synthetic-size", "8192", "--log-every", "2",
+        "--epochs", "1", "--out", str(out),
+    ]  # fmt: skip
+    run = LiveProcess(command, clean_env())
+    try:
+        run.wait_for("step 4/", timeout=180)
+        os.killpg(run.process.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
+        run.finish(timeout=90)
+    finally:
+        run.kill()
+    assert run.stderr.count("interrupted at epoch 1 step") == 1, run.stderr[-3000:]
 
 
 def test_resume_auto_without_checkpoint_starts_fresh(tmp_path):

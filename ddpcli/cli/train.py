@@ -427,7 +427,10 @@ def train(
                 raise
             summary = record
         if summary.get("stopped"):
-            raise stopped_early(summary)
+            stopped = stopped_early(summary)
+            if launcher is not None and launcher.rank != 0:  # torchrun's ranks: rank 0 says it
+                raise SystemExit(stopped.exit_code)
+            raise stopped
         report_training(cfg, summary, json_output)
 
     run_command(action)
