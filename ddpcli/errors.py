@@ -10,10 +10,12 @@ INTERRUPTED = 130  # Ctrl-C, as a shell reports a command SIGINT ended (128 + 2)
 class DdpcliError(Exception):
     """An error meant for the user: the CLI prints `message` (no traceback) and exits."""
 
-    def __init__(self, message: str, exit_code: int = USAGE) -> None:
+    def __init__(self, message: str, exit_code: int = USAGE, every_rank: bool = False) -> None:
         super().__init__(message)
         self.message = message
         self.exit_code = exit_code
+        # Found from values every rank shares (a reduced loss): one of them says it for all.
+        self.every_rank = every_rank
 
 
 def usage_error(message: str) -> DdpcliError:
@@ -22,6 +24,11 @@ def usage_error(message: str) -> DdpcliError:
 
 def runtime_error(message: str) -> DdpcliError:
     return DdpcliError(message, RUNTIME)
+
+
+def agreed_error(message: str) -> DdpcliError:
+    """A run-time stop every rank reaches at the same step, from the same reduced values."""
+    return DdpcliError(message, RUNTIME, every_rank=True)
 
 
 def first_line(error: BaseException, limit: int = 300) -> str:

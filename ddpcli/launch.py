@@ -33,7 +33,7 @@ from ddpcli.errors import (
 )
 from ddpcli.machine import cpu_count
 from ddpcli.membership import advertised_address, c10d_settings
-from ddpcli.process import freeze_imported_objects
+from ddpcli.process import AGREED_STOP_FILE, freeze_imported_objects
 from ddpcli.resources import capacity_warnings
 from ddpcli.rollcall import (
     MasterUnreachable,
@@ -114,7 +114,8 @@ def run_adopted_worker(cfg: TrainConfig, launcher: LauncherEnv, debug: bool) -> 
     except Exception as error:
         if debug_requested(debug):
             traceback.print_exc()
-        exit_for_error(error, launcher.rank)
+        agreed = isinstance(error, DdpcliError) and error.every_rank
+        exit_for_error(error, launcher.rank, speaks=launcher.rank == 0 or not agreed)
 
 
 def worker_environment(
@@ -451,6 +452,11 @@ def _launch_elastic(cfg: TrainConfig, debug: bool) -> dict[str, Any]:
                     stopped.exit_code,
                 ) from None
             return stop
+        except DdpcliError:  # a failed rank (a JobStopped is caught above)
+            agreed = read_agreed_stop(Path(private) / AGREED_STOP_FILE)
+            if agreed is None:
+                raise
+            raise DdpcliError(agreed["failed"], agreed["exit_code"]) from None
     if job.log_dir:
         ui.info(f"per-rank logs: {newest_run_log_dir(job.log_dir)}/attempt_N/<local rank>/")
     if cfg.node_rank == 0 and summary_file.exists():
@@ -465,6 +471,15 @@ def read_stop_record(summary_file: Path) -> dict[str, Any] | None:
     except (OSError, ValueError):
         return None
     return summary if isinstance(summary, dict) and summary.get("stopped") else None
+
+
+def read_agreed_stop(record_file: Path) -> dict[str, Any] | None:
+    """Rank 0's word on a stop every rank found together (a non-finite loss), else None."""
+    try:
+        record = json.loads(record_file.read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) and "failed" in record else None
 
 
 def train_environment(cfg: TrainConfig) -> dict[str, str]:

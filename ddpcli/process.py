@@ -62,6 +62,17 @@ def exit_with_error(message: str, exit_code: int) -> NoReturn:
     os._exit(exit_code)
 
 
+# Beside a launch's private worker config: rank 0's word on a stop every rank found together.
+AGREED_STOP_FILE = "agreed-stop.json"
+
+
+def end_quietly(exit_code: int) -> NoReturn:
+    """Out at once without a word: another rank says what ended the job."""
+    faulthandler.unregister(signal.SIGTERM)
+    sys.stderr.flush()
+    os._exit(exit_code)
+
+
 def die_with_agent() -> None:
     """The elastic agent starts each worker in its own session, so when the agent itself is
     killed (SIGKILL, the OOM killer, a scheduler) nothing stops its workers, and they train

@@ -39,7 +39,7 @@ from ddpcli.data.pipeline import DataPipeline
 from ddpcli.data.sets import SKIPPED_IMAGES_FILE
 from ddpcli.dist import DistContext, all_reduce_max, all_reduce_sum, barrier
 from ddpcli.ema import WeightAverage, adjusted_decay
-from ddpcli.errors import DdpcliError, runtime_error
+from ddpcli.errors import DdpcliError, agreed_error, runtime_error
 from ddpcli.models import build_model
 from ddpcli.param_groups import weight_decay_groups
 from ddpcli.rankload import (
@@ -599,7 +599,7 @@ class Trainer:
         hint = f"a lower --lr (this run: {cfg.lr:g})"
         if cfg.precision in ("fp16", "bf16"):
             hint += f" or full precision (--precision fp32; this run: {cfg.precision})"
-        return runtime_error(
+        return agreed_error(
             f"{finding} {when} ({where}): training stopped; {kept}. Start again with {hint}"
         )
 

@@ -28,8 +28,10 @@ from ddpcli.errors import INTERRUPTED, USAGE, DdpcliError, debug_requested, firs
 from ddpcli.machine import cpu_count
 from ddpcli.precision import auto_cpu_precision, auto_gpu_precision, native_cpu_bf16
 from ddpcli.process import (
+    AGREED_STOP_FILE,
     collect_then_freeze,
     die_with_agent,
+    end_quietly,
     exit_with_error,
     freeze_imported_objects,
     keep_freed_memory,
@@ -192,13 +194,33 @@ def main(argv: list[str]) -> None:
             end_interrupted(None, env, cfg)
         if debug_requested() and not isinstance(error, DdpcliError):
             raise  # @record prints the traceback and hands it to the agent
-        exit_for_error(error, env.rank)
+        speaks = True
+        if isinstance(error, DdpcliError) and error.every_rank:
+            speaks = says_agreed_stop(error, env, Path(argv[1]).with_name(AGREED_STOP_FILE))
+        exit_for_error(error, env.rank, speaks)
 
 
-def exit_for_error(error: Exception, rank: int) -> NoReturn:
+def says_agreed_stop(error: DdpcliError, env: LauncherEnv, record: Path) -> bool:
+    """A stop every rank found together (a non-finite loss) is said once per job, not once
+    per rank: rank 0 leaves it in RECORD (the launch's private folder) for the launcher to
+    say; every other node's first rank says it for that node. True where this rank must
+    say it itself."""
+    if env.rank != 0:
+        return env.local_rank == 0
+    try:
+        record.write_text(ui.json_text({"failed": error.message, "exit_code": error.exit_code}))
+    except OSError:
+        return True
+    return False
+
+
+def exit_for_error(error: Exception, rank: int, speaks: bool = True) -> NoReturn:
     """A failed rank's one line, then out at once: its process group is left as it is, so
-    no teardown waits on peers that will never answer."""
+    no teardown waits on peers that will never answer. SPEAKS false: another rank or the
+    launcher says what ended the job."""
     if isinstance(error, DdpcliError):
+        if not speaks:
+            end_quietly(error.exit_code)
         prefix = "" if error.message.startswith("rank ") else f"rank {rank}: "
         exit_with_error(prefix + error.message, error.exit_code)
     record_for_agent(error)

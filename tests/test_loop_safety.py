@@ -83,6 +83,9 @@ def test_a_nan_loss_keeps_the_last_good_checkpoint(tmp_path):
     ]
     assert "epoch 2, batch" in result.stderr  # stopped inside the epoch that diverged
     assert "last.pt and best.pt are kept as they were (step 4)" in result.stderr
+    # Every rank found it at the same step: the job says it once, not once per rank.
+    said = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(said) == 1 and "rank" not in said[0], result.stderr[-3000:]
     assert {name: file_sha256(checkpoints / name) for name in before} == before
     assert (out / "metrics.jsonl").read_text() == good_epoch  # valid JSON, no NaN epoch
     verify = run_cli("checkpoint", "verify", str(checkpoints / "last.pt"), timeout=60)
