@@ -30,12 +30,14 @@ from ddpcli.checkpoint.schema import (
     restore_training,
     resume_warnings,
     training_payload,
+    world_change_line,
 )
 from ddpcli.checkpoint.writer import CheckpointWriter, write_metrics_history
 from ddpcli.config import TrainConfig
 from ddpcli.config.train import OPTIMIZER_DEFAULTS
 from ddpcli.data.mixing import BatchMixing, build_mixing
 from ddpcli.data.pipeline import DataPipeline
+from ddpcli.data.resharding import samples_trained
 from ddpcli.data.sets import SKIPPED_IMAGES_FILE
 from ddpcli.dist import DistContext, all_reduce_max, all_reduce_sum, barrier
 from ddpcli.ema import WeightAverage, adjusted_decay
@@ -218,19 +220,29 @@ class Trainer:
 
     def resume(self, path: Path) -> None:
         payload = load_training_checkpoint(path, map_location=self.ctx.device)
-        self.state = restore_training(payload, self.parts(), self.ctx, path)
+        self.state = restore_training(payload, self.parts(), self.ctx, path, self.cfg.per_gpu_batch)
         use_peak_lr(self.scheduler, self.cfg.resolved_peak_lr)
         self.finite_step = self.state.step
         if path.resolve() == (self.writer.directory / "last.pt").resolve():
             self.saved_step = self.state.step
         if self.ctx.is_main:
-            config = json.loads(self.cfg.model_dump_json())
-            for warning in resume_warnings(payload, config, self.ctx.world_size):
-                ui.warn(warning)
-            where = f"epoch {self.state.epoch + 1}" + (
-                f", batch {self.state.batch_in_epoch}" if self.state.batch_in_epoch else ""
-            )
-            ui.info(f"resumed from {path} at {where} (step {self.state.step})")
+            self.announce_resume(payload, path)
+
+    def announce_resume(self, payload: dict[str, Any], path: Path) -> None:
+        """Rank 0: where the run goes on, what a new world changed, and how it deals the
+        rest of the interrupted epoch."""
+        state, world_size = self.state, self.ctx.world_size
+        config = json.loads(self.cfg.model_dump_json())
+        for warning in resume_warnings(payload, config, world_size):
+            ui.warn(warning)
+        where = f"epoch {state.epoch + 1}" + (
+            f", batch {state.batch_in_epoch}" if state.batch_in_epoch else ""
+        )
+        ui.info(f"resumed from {path} at {where} (step {state.step})")
+        if line := world_change_line(payload, config, world_size):
+            ui.info(line)
+        if state.epoch_start and state.epoch < self.cfg.epochs:
+            ui.info(self.data.describe_rest(state.epoch, state.epoch_start))
 
     def start_from_weights(self, path: Path) -> None:
         """--init-from: every rank loads the same file into its replica before step 1."""
@@ -265,7 +277,7 @@ class Trainer:
             with progress, self.steplog, self.preemption:
                 while self.work_goes_on():
                     last = self.run_epoch(progress)
-                    if self.state.batch_in_epoch < self.micro_total:
+                    if self.state.batch_in_epoch < self.epoch_micro_batches():
                         self.stop_inside_epoch(last)
                     else:
                         self.finish_epoch(last)
@@ -380,12 +392,17 @@ class Trainer:
             )
         return ""
 
+    def epoch_micro_batches(self) -> int:
+        """This epoch's micro-batches per rank: a whole epoch's, or (re-dealt at a new world)
+        those of its rest (ddpcli.data.resharding)."""
+        return self.data.steps_per_epoch(self.state.epoch_start)
+
     def micro_batches_in_step(self, batch_in_epoch: int) -> int:
         """The micro-batches the optimizer step holding micro-batch `batch_in_epoch`
         (1-based) accumulates: --accumulate, or what is left of the epoch. The loss is
         divided by it, so every step averages its gradients whatever its length."""
         step_start = (batch_in_epoch - 1) // self.cfg.accumulate * self.cfg.accumulate
-        return min(self.cfg.accumulate, self.micro_total - step_start)
+        return min(self.cfg.accumulate, self.epoch_micro_batches() - step_start)
 
     def split_note(self) -> str:
         cfg = self.cfg
@@ -411,8 +428,10 @@ class Trainer:
         self.clock.start_epoch()
         steps_before = state.step
         state.partial_sums = None
-        batches = self.data.train_batches(state.epoch, skip_batches=state.batch_in_epoch)
-        micro_total = self.data.steps_per_epoch()
+        batches = self.data.train_batches(
+            state.epoch, skip_batches=state.batch_in_epoch, start=state.epoch_start
+        )
+        micro_total = self.epoch_micro_batches()
         timer = StepTimer(ctx.device, micro_total - state.batch_in_epoch)
         first_step_at = None
         progress.start_epoch(state.epoch, state.batch_in_epoch)
@@ -556,9 +575,18 @@ class Trainer:
         position = {
             "step": state.step,
             "epoch": state.epoch + 1,
-            "epoch_fraction": state.batch_in_epoch / self.micro_total,
+            "epoch_fraction": self.epoch_fraction(),
         }
         self.steplog.record(position, totals, float(self.scheduler.get_last_lr()[0]))
+
+    def epoch_fraction(self) -> float:
+        state = self.state
+        if not state.epoch_start:
+            return state.batch_in_epoch / self.micro_total
+        batch, world = self.cfg.per_gpu_batch, self.ctx.world_size
+        done = samples_trained(state.epoch_start, state.batch_in_epoch, batch, world)
+        end = samples_trained(state.epoch_start, self.epoch_micro_batches(), batch, world)
+        return done / end
 
     def reduce_sums(self, sums: torch.Tensor) -> list[float]:
         """The epoch's [loss sum, correct, count] so far, over all ranks, then every rank's
@@ -591,7 +619,9 @@ class Trainer:
         when = f"at step {state.step}"
         if self.finite_step < state.step - 1:  # seen at a logging interval, not at once
             when = f"between step {self.finite_step} and step {state.step}"
-        where = f"epoch {state.epoch + 1}, batch {state.batch_in_epoch} of {self.micro_total}"
+        where = (
+            f"epoch {state.epoch + 1}, batch {state.batch_in_epoch} of {self.epoch_micro_batches()}"
+        )
         if self.saved_step is None:
             kept = "no checkpoint had been saved yet"
         else:
@@ -636,7 +666,7 @@ class Trainer:
         state.history.append(metrics)
         is_best = self.record_best(metrics)
         state.epoch += 1
-        state.batch_in_epoch = 0
+        state.batch_in_epoch = state.epoch_start = 0
         if self.ctx.is_main:
             with open(self.out / "metrics.jsonl", "a") as handle:
                 handle.write(ui.json_text(metrics) + "\n")
@@ -670,7 +700,8 @@ class Trainer:
             how = self.preemption.signal_name if preempted else f"--max-steps {self.cfg.max_steps}"
             ui.info(
                 f"epoch {metrics['epoch']}/{self.cfg.epochs}, stopped by {how} after batch "
-                f"{state.batch_in_epoch} of {self.micro_total} · {ui.format_metrics(metrics)}"
+                f"{state.batch_in_epoch} of {self.epoch_micro_batches()} · "
+                f"{ui.format_metrics(metrics)}"
                 + ("" if preempted else f"; --out {self.out} --resume auto with --max-steps "
                    "raised or dropped finishes it")
             )  # fmt: skip

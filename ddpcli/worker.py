@@ -18,6 +18,7 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import get_error_handler, record
 
 from ddpcli import ui
+from ddpcli.checkpoint.schema import resized_for_resume
 from ddpcli.config import TrainConfig
 from ddpcli.data.custom import custom_splits
 from ddpcli.data.pipeline import DataPipeline
@@ -104,7 +105,8 @@ def run_worker(cfg: TrainConfig, env: LauncherEnv) -> dict[str, Any]:
 
 
 def train_and_summarise(cfg: TrainConfig, ctx: DistContext) -> dict[str, Any]:
-    cfg = finalize_for_device(cfg, ctx)
+    # Before the rate is resolved: a resume at another world may change the accumulation.
+    cfg = finalize_for_device(resized_for_resume(cfg, ctx.world_size), ctx)
     out = cfg.resolved_out
     device_resident = keep_data_on_device(cfg, ctx)
     splits = custom_splits(cfg) if cfg.custom_dataset else load_splits(cfg, ctx, device_resident)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import read_metrics, run_cli
 
-from ddpcli.checkpoint.schema import resume_warnings
+from ddpcli.checkpoint.schema import resume_warnings, world_change_line
 from ddpcli.config import TrainConfig, build_train_config
 from ddpcli.config.train import describe_lr, scaled_lr
 from ddpcli.errors import DdpcliError
@@ -101,11 +101,10 @@ def test_resume_with_another_world_names_batch_and_rate_old_and_new():
     saved = saved.model_dump(mode="json")
     payload = {"world_size": 2, "config": saved}
     now = saved | {"peak_lr": 0.1}  # the same flags in a world of 8
-    notes = resume_warnings(payload, now, world_size=8)
-    assert any("written by 2 ranks, this run has 8" in note for note in notes)
-    (rate,) = [note for note in notes if "global batch" in note]
-    assert "global batch 64 -> 256, peak lr 0.025 -> 0.1" in rate
-    assert "lr 0.1 per 256 images, linear scaling" in rate
+    assert resume_warnings(payload, now, world_size=8) == []  # the world's line says it
+    line = world_change_line(payload, now, world_size=8)
+    assert line.startswith("world 2 -> 8: global batch 64 -> 256 (per-process batch 32 kept")
+    assert "peak lr 0.025 -> 0.1 (lr 0.1 per 256 images, linear scaling)" in line
     assert resume_warnings(payload, saved, world_size=2) == []  # nothing changed
     # A checkpoint from before lr scaling: its lr was the rate used as given.
     old = {"world_size": 2, "config": {k: v for k, v in saved.items() if k != "peak_lr"}}

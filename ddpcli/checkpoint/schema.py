@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from ddpcli.checkpoint.loading import load_model_state, model_state, safe_load
 from ddpcli.config import TrainConfig
+from ddpcli.data.resharding import samples_trained
 from ddpcli.dist import DistContext
 from ddpcli.errors import usage_error
 
@@ -45,7 +46,10 @@ class TrainState:
     """What a checkpoint restores besides the weights: where we are and what we saw."""
 
     epoch: int = 0  # the epoch being (or about to be) trained, 0-based
-    batch_in_epoch: int = 0  # micro-batches of `epoch` already trained
+    batch_in_epoch: int = 0  # micro-batches of `epoch` already trained at this world
+    # The global sample offset this world's share of `epoch` was dealt from: 0, unless a
+    # resume at another world re-dealt the rest of the epoch (ddpcli.data.resharding).
+    epoch_start: int = 0
     step: int = 0  # optimizer steps taken
     best_val_acc: float = -1.0
     history: list[dict[str, Any]] = field(default_factory=list)
@@ -76,6 +80,11 @@ def training_payload(
         "ema": parts.ema.state_dict() if parts.ema is not None else None,
         "epoch": state.epoch,
         "batch_in_epoch": state.batch_in_epoch,
+        "epoch_start": state.epoch_start,
+        # Any world continues the epoch from here: the order's first this-many samples are done.
+        "sample_offset": samples_trained(
+            state.epoch_start, state.batch_in_epoch, cfg.per_gpu_batch, ctx.world_size
+        ),
         "step": state.step,
         "best_val_acc": state.best_val_acc,
         "metrics": state.history,
@@ -88,10 +97,11 @@ def training_payload(
 
 
 def restore_training(
-    payload: dict[str, Any], parts: TrainingParts, ctx: DistContext, path: Path
+    payload: dict[str, Any], parts: TrainingParts, ctx: DistContext, path: Path, per_gpu_batch: int
 ) -> TrainState:
     """Load a training checkpoint into the run's parts; this rank's RNG state too when the
-    world has the size that saved it."""
+    world has the size that saved it. The position in the epoch is this world's own
+    (`resumed_position`)."""
     load_model_state(parts.model, payload["model"], path)
     parts.optimizer.load_state_dict(payload["optimizer"])
     parts.scheduler.load_state_dict(payload["scheduler"])
@@ -101,14 +111,37 @@ def restore_training(
         parts.ema.load_state_dict(payload.get("ema"), parts.model)
     if payload["world_size"] == ctx.world_size:
         restore_rng_state(payload["rng"][ctx.rank])
+    epoch_start, batch_in_epoch = resumed_position(payload, ctx.world_size, per_gpu_batch)
     return TrainState(
         epoch=payload["epoch"],
-        batch_in_epoch=payload["batch_in_epoch"],
+        batch_in_epoch=batch_in_epoch,
+        epoch_start=epoch_start,
         step=payload["step"],
         best_val_acc=payload["best_val_acc"],
         history=list(payload["metrics"]),
         partial_sums=payload.get("partial_sums"),
     )
+
+
+def sample_offset(payload: dict[str, Any]) -> int:
+    """The interrupted epoch's samples trained, as a global offset into its order; derived
+    from the micro-batches, the batch and the world for files written before it was kept."""
+    if "sample_offset" in payload:
+        return int(payload["sample_offset"])
+    per_gpu_batch = int(payload["config"]["per_gpu_batch"])
+    return samples_trained(0, payload["batch_in_epoch"], per_gpu_batch, payload["world_size"])
+
+
+def resumed_position(
+    payload: dict[str, Any], world_size: int, per_gpu_batch: int
+) -> tuple[int, int]:
+    """(epoch_start, batch_in_epoch) for the resumed run. The world and batch that saved the
+    file skip the batches it trained (an exact resume, bit for bit); any other world is
+    dealt the rest of the epoch from its global sample offset."""
+    saved_batch = int(payload["config"]["per_gpu_batch"])
+    if payload["world_size"] == world_size and saved_batch == per_gpu_batch:
+        return int(payload.get("epoch_start", 0)), int(payload["batch_in_epoch"])
+    return sample_offset(payload), 0
 
 
 def weights_only_payload(payload: dict[str, Any], state: dict[str, torch.Tensor]) -> dict[str, Any]:
@@ -147,23 +180,20 @@ def check_training_payload(payload: Any, path: Path) -> None:
 
 
 def resume_warnings(payload: dict[str, Any], config: dict[str, Any], world_size: int) -> list[str]:
-    """What makes the resumed run differ from the uninterrupted one. CONFIG is this run's
-    resolved config (with its `peak_lr`), WORLD_SIZE the world it really has."""
+    """What makes the resumed run differ from the uninterrupted one, besides a change of
+    world (`world_change_line` states that). CONFIG is this run's resolved config (with its
+    `peak_lr`), WORLD_SIZE the world it really has."""
     notes = []
     saved = payload.get("config") or {}
+    world_changed = payload["world_size"] != world_size
     rate_note = rate_change(saved, payload["world_size"], config, world_size)
-    if payload["world_size"] != world_size:  # one line: the new world, its batch, its rate
-        notes.append(
-            f"world changed: the checkpoint was written by {payload['world_size']} ranks, this "
-            f"run has {world_size}"
-            + (f"; {rate_note}" if rate_note else "")
-            + "; the data order (and each rank's RNG) from here on differs from the original run"
-        )
-    elif rate_note:
-        notes.append(rate_note)
+    if rate_note and not world_changed:
+        notes.append(rate_note + ": training continues at the new rate on the restored schedule")
+    # A new world's accumulation is the batch policy's, stated in the world's line.
+    compared = [key for key in RESULT_SETTINGS if not (world_changed and key == "accumulate")]
     changed = [
         f"{key} {saved[key]!r} -> {config.get(key)!r}"
-        for key in RESULT_SETTINGS
+        for key in compared
         if key in saved and saved[key] != config.get(key)
     ]
     if changed:
@@ -172,6 +202,32 @@ def resume_warnings(payload: dict[str, Any], config: dict[str, Any], world_size:
             "match an uninterrupted run"
         )
     return notes
+
+
+def world_change_line(payload: dict[str, Any], config: dict[str, Any], world_size: int) -> str:
+    """`world 3 -> 2: global batch 48 -> 32 (per-process batch 16 kept; 48 is not a multiple
+    of 2 x 16), accumulate 1 -> 1, peak lr 0.01875 -> 0.0125 (...)`; "" if the world is
+    the one that saved the file."""
+    saved, saved_world = payload.get("config") or {}, payload["world_size"]
+    if saved_world == world_size:
+        return ""
+    old_batch, new_batch = global_batch_of(saved, saved_world), global_batch_of(config, world_size)
+    per_gpu_batch = config.get("per_gpu_batch")
+    if saved.get("per_gpu_batch") != per_gpu_batch:
+        why = f"--per-gpu-batch {saved.get('per_gpu_batch')} -> {per_gpu_batch} as given"
+    elif old_batch == new_batch:
+        why = "kept"
+    else:
+        why = (
+            f"per-process batch {per_gpu_batch} kept; {old_batch} is not a multiple of "
+            f"{world_size} x {per_gpu_batch}"
+        )
+    old_rate = saved.get("peak_lr", saved.get("lr"))  # before lr scaling, lr was used as given
+    return (
+        f"world {saved_world} -> {world_size}: global batch {old_batch} -> {new_batch} ({why}), "
+        f"accumulate {saved.get('accumulate', 1)} -> {config.get('accumulate')}, peak lr "
+        f"{shown_rate(old_rate)} -> {shown_rate(config.get('peak_lr'))} ({lr_rule(config)})"
+    )
 
 
 def rate_change(
@@ -184,15 +240,18 @@ def rate_change(
     new_rate = config.get("peak_lr")
     if old_batch == new_batch and old_rate == new_rate:
         return None
-    if config.get("lr_scaling") == "none":
-        rule = "--lr-scaling none: lr as given"
-    else:
-        rule = f"lr {config.get('lr')} per {config.get('lr_base_batch')} images, "
-        rule += f"{config.get('lr_scaling')} scaling"
     return (
         f"global batch {old_batch} -> {new_batch}, peak lr {shown_rate(old_rate)} -> "
-        f"{shown_rate(new_rate)} ({rule}): training continues at the new rate on the restored "
-        "schedule"
+        f"{shown_rate(new_rate)} ({lr_rule(config)})"
+    )
+
+
+def lr_rule(config: dict[str, Any]) -> str:
+    if config.get("lr_scaling") == "none":
+        return "--lr-scaling none: lr as given"
+    return (
+        f"lr {config.get('lr')} per {config.get('lr_base_batch')} images, "
+        f"{config.get('lr_scaling')} scaling"
     )
 
 
@@ -205,6 +264,21 @@ def global_batch_of(config: dict[str, Any], world_size: int) -> int | str:
 
 def shown_rate(rate: Any) -> str:
     return f"{rate:g}" if isinstance(rate, (int, float)) else "?"
+
+
+def resized_for_resume(cfg: TrainConfig, world_size: int) -> TrainConfig:
+    """CFG with the batch policy of a world change applied (`TrainConfig.for_world_change`)
+    when it resumes from a file another world wrote. Structure only (memory-mapped): a file
+    that cannot be resumed is refused, with its reason, when the trainer loads it."""
+    path = find_resume_path(cfg)
+    if path is None or not path.is_file():
+        return cfg
+    payload = safe_load(path, lazy=True)
+    if not isinstance(payload, dict) or not isinstance(payload.get("config"), dict):
+        return cfg
+    if not isinstance(payload.get("world_size"), int):
+        return cfg
+    return cfg.for_world_change(payload["config"], payload["world_size"], world_size)
 
 
 def check_resume_source(cfg: TrainConfig) -> None:

@@ -115,6 +115,15 @@ def describe_lr(lr: float, global_batch: int, base_batch: int, rule: LrScaling) 
     return f"lr {lr:g} per {base_batch} images -> {peak:g} at global batch {global_batch} ({rule})"
 
 
+def accumulate_keeping(global_batch: int, per_gpu_batch: int, world_size: int) -> int | None:
+    """The accumulation that keeps GLOBAL_BATCH at WORLD_SIZE ranks of PER_GPU_BATCH
+    (4 x 16 -> 2 x 16 x 2), or None when that world cannot hold it in whole micro-batches."""
+    per_micro_step = per_gpu_batch * world_size
+    if global_batch % per_micro_step:
+        return None
+    return global_batch // per_micro_step
+
+
 def toml_value(text: str) -> Any:
     """`4` -> 4, `0.5` -> 0.5, `true` -> True, `[1, 2]` -> [1, 2], `"relu"` -> "relu"; text
     that is not a TOML value (`relu`) is taken as the string it is."""
@@ -438,6 +447,20 @@ class TrainConfig(BaseModel):
         epoch of fewer micro-batches than --accumulate caps what one step holds."""
         accumulate = min(self.accumulate, micro_batches_per_epoch or self.accumulate)
         return self.per_gpu_batch * world_size * accumulate
+
+    def for_world_change(
+        self, saved: dict[str, Any], saved_world: int, world_size: int
+    ) -> TrainConfig:
+        """The batch policy of a resume at another world: with the per-process batch
+        unchanged, --accumulate is set so that the checkpoint's global batch is kept when
+        the new world divides it; otherwise this config's accumulation stays, and the peak
+        rate follows the new global batch by the lr-scaling rule. A new --per-gpu-batch
+        is taken as given."""
+        if saved_world == world_size or saved.get("per_gpu_batch") != self.per_gpu_batch:
+            return self
+        saved_global = self.per_gpu_batch * saved_world * int(saved.get("accumulate", 1))
+        accumulate = accumulate_keeping(saved_global, self.per_gpu_batch, world_size)
+        return self.model_copy(update={"accumulate": accumulate or self.accumulate})
 
     def peak_lr_at(self, world_size: int, micro_batches_per_epoch: int | None = None) -> float:
         """--lr scaled by --lr-scaling to this run's global batch (see `scaled_lr`)."""

@@ -31,6 +31,7 @@ from ddpcli.data.loader import (
     default_workers,
 )
 from ddpcli.data.ra_sampler import repeated_shard
+from ddpcli.data.resharding import epoch_order, left_out, remaining_shard, remaining_steps
 from ddpcli.data.sets import (
     FolderSplits,
     ImageSet,
@@ -220,8 +221,13 @@ class DataPipeline:
         """Each rank's training images per epoch, before batching (DistributedSampler pads)."""
         return math.ceil(self.train_size / self.ctx.world_size)
 
-    def steps_per_epoch(self) -> int:
-        """Full batches per rank and epoch: what train_batches yields."""
+    def steps_per_epoch(self, start: int = 0) -> int:
+        """Full batches per rank and epoch: what train_batches yields. START > 0: the rest of
+        an epoch re-dealt from that global sample offset (ddpcli.data.resharding)."""
+        if start:
+            return remaining_steps(
+                self.train_size, start, self.ctx.world_size, self.cfg.per_gpu_batch
+            )
         return self.shard_size() // self.cfg.per_gpu_batch
 
     def images_per_epoch(self) -> int:
@@ -242,9 +248,25 @@ class DataPipeline:
             train += f" (--ra-reps {reps}: about {trained // reps} distinct, each on {reps} ranks)"
         return f"{train} / {self.val_size} val images"
 
-    def train_batches(self, epoch: int, skip_batches: int = 0):
-        """The epoch's order depends only on seed and epoch; a resume skips by position."""
-        indices = self.epoch_keys(epoch)[skip_batches * self.cfg.per_gpu_batch :]
+    def describe_rest(self, epoch: int, start: int) -> str:
+        """`epoch 1: 36 of 96 samples trained before; the other 60 dealt over 2 ranks, ...`."""
+        world, batch, size = self.ctx.world_size, self.cfg.per_gpu_batch, self.train_size
+        steps, dropped = self.steps_per_epoch(start), left_out(size, start, world, batch)
+        line = (
+            f"epoch {epoch + 1}: {start} of {size} samples trained before the resume; the other "
+            f"{size - start} dealt over {world} ranks, {steps} batch(es) of {batch} each"
+        )
+        if dropped:
+            line += (
+                f"; the last {dropped} left out (less than a global batch of {batch * world}, "
+                "as an epoch's last partial batch always is)"
+            )
+        return line
+
+    def train_batches(self, epoch: int, skip_batches: int = 0, start: int = 0):
+        """The epoch's order depends only on seed and epoch; a resume skips by position, or
+        (START > 0) deals the rest of the order from that global sample offset."""
+        indices = self.epoch_keys(epoch, start)[skip_batches * self.cfg.per_gpu_batch :]
         if self.device_resident:
             batches = self._device_batches(
                 self.train_set, indices, self.augment, epoch, True, self.auto_augment
@@ -265,10 +287,14 @@ class DataPipeline:
             batches = SlowedBatches(batches, slow[1])
         return batches
 
-    def epoch_keys(self, epoch: int) -> list[int]:
+    def epoch_keys(self, epoch: int, start: int = 0) -> list[int]:
         """This rank's sample keys for EPOCH: DistributedSampler's shard, or with --ra-reps
-        the repeated-augmentation one (keys beyond the set name further copies)."""
+        the repeated-augmentation one (keys beyond the set name further copies); from START
+        on, this rank's share of the rest of the same order."""
         cfg, ctx = self.cfg, self.ctx
+        if start:
+            order = epoch_order(self.train_size, cfg.seed, epoch, cfg.ra_reps)
+            return remaining_shard(order, start, ctx.world_size, ctx.rank, cfg.per_gpu_batch)
         if cfg.ra_reps > 1:
             return repeated_shard(
                 self.train_size, ctx.world_size, ctx.rank, cfg.seed, epoch, cfg.ra_reps

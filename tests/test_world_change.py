@@ -1,0 +1,186 @@
+"""A world that changes size loses nothing: the rest of the interrupted epoch is dealt over
+the new ranks from the checkpoint's global sample offset, each sample to exactly one rank.
+
+Pure arithmetic first (the offset, the split, the batch policy), then one run stopped inside
+its first epoch at 3 ranks and resumed at 2, checked from the samples each rank trained.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import read_metrics, run_cli
+
+from ddpcli.checkpoint.loading import safe_load
+from ddpcli.checkpoint.schema import resumed_position, sample_offset, world_change_line
+from ddpcli.config import TrainConfig
+from ddpcli.config.train import accumulate_keeping
+from ddpcli.data.pipeline import train_shard
+from ddpcli.data.ra_sampler import repeated_shard
+from ddpcli.data.resharding import (
+    epoch_order,
+    left_out,
+    remaining_shard,
+    remaining_steps,
+    samples_trained,
+)
+from ddpcli.dist import DistContext
+
+# (set size, old world, new world, per-process batch, micro-batches trained at the old world)
+CASES = [
+    (96, 3, 2, 4, 3),
+    (97, 3, 2, 4, 3),  # DistributedSampler pads 97 to 99 at 3 ranks
+    (100, 4, 3, 5, 2),
+    (101, 2, 5, 3, 7),
+    (64, 2, 4, 8, 1),
+    (50, 1, 3, 4, 5),
+    (30, 3, 4, 2, 0),
+]
+
+
+def shard_at(size: int, world: int, rank: int, seed: int, epoch: int) -> list[int]:
+    ctx = DistContext(rank, rank, world, world, 0, torch.device("cpu"), "gloo")
+    return train_shard(size, ctx, seed, epoch)
+
+
+@pytest.mark.parametrize(("size", "old", "new", "batch", "done"), CASES)
+def test_the_rest_of_an_epoch_is_dealt_once_over_the_new_ranks(size, old, new, batch, done):
+    seed, epoch = 3, 2
+    order = epoch_order(size, seed, epoch)
+    trained = [
+        index
+        for rank in range(old)
+        for index in shard_at(size, old, rank, seed, epoch)[: done * batch]
+    ]
+    offset = samples_trained(0, done, batch, old)
+    # What DistributedSampler handed out so far is exactly the order's first OFFSET samples.
+    assert sorted(trained) == sorted(order[:offset])
+    shards = [remaining_shard(order, offset, new, rank, batch) for rank in range(new)]
+    steps = remaining_steps(size, offset, new, batch)
+    assert all(len(shard) == steps * batch for shard in shards)  # the same steps on every rank
+    rest = Counter(index for shard in shards for index in shard)
+    assert max(rest.values(), default=1) == 1 and not rest.keys() & set(trained)
+    dropped = left_out(size, offset, new, batch)
+    assert 0 <= dropped < batch * new
+    # Everything not trained before is trained now, but the order's last DROPPED samples.
+    assert sorted(rest) == sorted(order[offset : size - dropped])
+
+
+def test_a_second_change_inside_the_same_epoch_goes_on_from_its_own_offset():
+    size, batch, seed, epoch = 101, 3, 0, 0
+    order = epoch_order(size, seed, epoch)
+    first = samples_trained(0, 4, batch, 3)  # 3 ranks, 4 micro-batches
+    two = [remaining_shard(order, first, 2, rank, batch)[: 5 * batch] for rank in range(2)]
+    second = samples_trained(first, 5, batch, 2)  # then 2 ranks, 5 micro-batches
+    four = [remaining_shard(order, second, 4, rank, batch) for rank in range(4)]
+    seen = order[:first] + [i for shard in two + four for i in shard]
+    assert len(seen) == len(set(seen)) == size - left_out(size, second, 4, batch)
+
+
+def test_the_order_is_the_samplers_own_with_and_without_ra_reps():
+    size, world, seed, epoch = 97, 3, 5, 2
+    order = epoch_order(size, seed, epoch)
+    keys = epoch_order(size, seed, epoch, reps=3)
+    for rank in range(world):
+        shard = shard_at(size, world, rank, seed, epoch)
+        assert shard[:32] == order[rank::world][:32]  # all but the padded tail
+        assert repeated_shard(size, world, rank, seed, epoch, 3)[:32] == keys[rank::world][:32]
+
+
+def test_the_offset_of_a_file_from_before_it_was_recorded_is_derived():
+    old = {"batch_in_epoch": 3, "world_size": 3, "epoch_start": 0, "config": {"per_gpu_batch": 4}}
+    del old["epoch_start"]
+    assert sample_offset(old) == 36
+    assert resumed_position(old, world_size=3, per_gpu_batch=4) == (0, 3)  # exact, as before
+    assert resumed_position(old, world_size=2, per_gpu_batch=4) == (36, 0)
+    assert resumed_position(old, world_size=3, per_gpu_batch=2) == (36, 0)  # another batch
+    # A file the re-dealt world wrote continues its own deal at that world.
+    again = {"batch_in_epoch": 2, "world_size": 2, "epoch_start": 36, "sample_offset": 52,
+             "config": {"per_gpu_batch": 4}}  # fmt: skip
+    assert resumed_position(again, world_size=2, per_gpu_batch=4) == (36, 2)
+    assert resumed_position(again, world_size=4, per_gpu_batch=4) == (52, 0)
+
+
+def saved_config(world: int, per_gpu_batch: int, accumulate: int = 1) -> dict:
+    cfg = TrainConfig(arch="tinycnn", cpu=True, nproc=world, per_gpu_batch=per_gpu_batch,
+                      accumulate=accumulate)  # fmt: skip
+    return cfg.model_copy(update={"peak_lr": cfg.peak_lr_at(world)}).model_dump(mode="json")
+
+
+def resumed(saved: dict, saved_world: int, world: int, **flags) -> dict:
+    cfg = TrainConfig(arch="tinycnn", cpu=True, nproc=world, per_gpu_batch=16, **flags)
+    cfg = cfg.for_world_change(saved, saved_world, world)
+    return cfg.model_copy(update={"peak_lr": cfg.peak_lr_at(world)}).model_dump(mode="json")
+
+
+def test_a_divisible_world_keeps_the_global_batch_by_accumulating():
+    assert accumulate_keeping(64, 16, 2) == 2 and accumulate_keeping(48, 16, 2) is None
+    saved = saved_config(4, 16)
+    now = resumed(saved, 4, 2)
+    assert now["accumulate"] == 2 and now["peak_lr"] == saved["peak_lr"]
+    line = world_change_line({"world_size": 4, "config": saved}, now, 2)
+    assert line.startswith("world 4 -> 2: global batch 64 -> 64 (kept), accumulate 1 -> 2")
+    assert "peak lr 0.05 -> 0.05" in line  # tinycnn: 0.2 per 256 images, linear
+    # Growing back: 2 x 16 x 2 at 4 ranks is 4 x 16 x 1.
+    assert resumed(now, 2, 4)["accumulate"] == 1
+
+
+def test_an_indivisible_world_keeps_the_per_process_batch_and_the_rate_follows():
+    saved = saved_config(3, 16)
+    now = resumed(saved, 3, 2)
+    assert now["accumulate"] == 1 and now["peak_lr"] == pytest.approx(0.025)
+    line = world_change_line({"world_size": 3, "config": saved}, now, 2)
+    assert line == (
+        "world 3 -> 2: global batch 48 -> 32 (per-process batch 16 kept; 48 is not a multiple "
+        "of 2 x 16), accumulate 1 -> 1, peak lr 0.0375 -> 0.025 (lr 0.2 per 256 images, "
+        "linear scaling)"
+    )
+    # A new per-process batch is taken as given; the same world is no change at all.
+    assert resumed(saved_config(3, 8), 3, 2)["accumulate"] == 1
+    assert world_change_line({"world_size": 2, "config": saved}, now, 2) == ""
+
+
+# --- One run: 3 ranks stopped inside epoch 1, resumed at 2 --------------------------------
+
+SAMPLES, BATCH = 96, 4
+SETTINGS = [
+    "--cpu", "--arch", "tinycnn", "--image-size", "16", "--synthetic-size", str(SAMPLES),
+    "--per-gpu-batch", str(BATCH), "--epochs", "1", "--timeout", "60",
+]  # fmt: skip
+
+
+def traced_epoch(trace: Path, ranks: int, epoch: int) -> Counter:
+    seen: Counter = Counter()
+    for rank in range(ranks):
+        for line in trace.with_name(f"{trace.name}.rank{rank}").read_text().splitlines():
+            record = json.loads(line)
+            if record["epoch"] == epoch:
+                seen.update(record["indices"])
+    return seen
+
+
+def test_a_run_stopped_at_3_ranks_and_resumed_at_2_trains_each_sample_once(tmp_path):
+    out, trace = tmp_path / "run", tmp_path / "trace"
+    env = {"DDPCLI_TRACE_SAMPLES": str(trace)}
+    first = run_cli("train", *SETTINGS, "--nproc", "3", "--max-steps", "3", "--out", str(out),
+                    env=env, timeout=240)  # fmt: skip
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert safe_load(out / "checkpoints" / "last.pt")["sample_offset"] == 3 * BATCH * 3
+    second = run_cli("train", *SETTINGS, "--nproc", "2", "--resume", "auto", "--out", str(out),
+                     env=env, timeout=240)  # fmt: skip
+    assert second.returncode == 0, second.stderr[-3000:]
+    said = second.stderr
+    assert "world 3 -> 2: global batch 12 -> 8 (per-process batch 4 kept; 12 is not a " in said
+    assert "epoch 1: 36 of 96 samples trained before the resume; the other 60 dealt over 2 " \
+        "ranks, 7 batch(es) of 4 each; the last 4 left out" in said  # fmt: skip
+    seen = traced_epoch(trace, 3, epoch=0)
+    assert max(seen.values()) == 1  # no sample twice
+    # Every sample but the order's last 4, which no full global batch of 8 holds.
+    assert set(seen) == set(epoch_order(SAMPLES, 0, 0)[:-4])
+    metrics = read_metrics(out)
+    assert [(m["epoch"], m["world_size"], m["global_batch"]) for m in metrics] == [(1, 2, 8)]
+    assert "partial" not in metrics[0]  # the whole epoch's row replaced the stopped part's
