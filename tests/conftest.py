@@ -35,6 +35,20 @@ def clean_env(**extra: str) -> dict[str, str]:
     return {**env, "PYTHONUNBUFFERED": "1", "COLUMNS": "200", **extra}
 
 
+# Warnings that depend on the machine's load, not on the run's settings: a busy CI core
+# makes one rank the straggler, or the data wait long.
+LOAD_WARNINGS = ("is the slowest", "waiting for data takes")
+
+
+def settings_warnings(stderr: str) -> list[str]:
+    """The run's warning lines, less those about the machine's load."""
+    return [
+        line
+        for line in stderr.splitlines()
+        if "warning" in line and not any(words in line for words in LOAD_WARNINGS)
+    ]
+
+
 def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_cli
+from conftest import run_cli, settings_warnings
 
 from ddpcli import ui
 from ddpcli.checkpoint.loading import safe_load
@@ -162,7 +162,7 @@ def test_accumulate_beyond_the_epoch_trains_as_the_micro_batches_there(tmp_path)
         warnings[accumulate] = result.stderr
         assert "accumulate 2 = global batch 128" in result.stderr
     assert "each optimizer step accumulates 2 (global batch 128, not 6400)" in warnings["100"]
-    assert "warning" not in warnings["2"]
+    assert settings_warnings(warnings["2"]) == []
     (summary, metrics), (_, reference) = runs["100"], runs["2"]
     assert summary["global_batch"] == 128 and [m["step"] for m in metrics] == [1, 2]
     for got, want in zip(metrics, reference, strict=True):
@@ -219,7 +219,7 @@ def test_a_max_steps_stop_inside_an_epoch_is_finished_exactly_by_a_resume(tmp_pa
 
     resumed = train_two_step_epochs(out, "--max-steps", "4", "--resume", "auto")  # raised
     assert "at epoch 2, batch 1 (step 3)" in resumed.stderr
-    assert "warning" not in resumed.stderr  # --max-steps changes where a run stops, no more
+    assert settings_warnings(resumed.stderr) == []  # --max-steps changes where a run stops, no more
     finished = strict_lines(out / "metrics.jsonl")
     wanted = strict_lines(reference / "metrics.jsonl")
     assert [(m["epoch"], m["step"], m.get("partial")) for m in finished] == [
