@@ -461,8 +461,12 @@ class Trainer:
             state.partial_sums = totals[:METRIC_SLOTS]
         train_loss, train_acc = means(totals)
         images_per_sec = timer.images_per_sec(ctx)
-        val_loss, val_acc, val_samples = self.validate(unwrap(self.model))
-        ema_metrics = self.validate_ema()
+        preempted_inside = self.preemption.agreed and state.batch_in_epoch < micro_total
+        if preempted_inside:  # a scheduler's grace is short: save first, the resume validates
+            val_loss, val_acc, val_samples, ema_metrics = None, None, None, {}
+        else:
+            val_loss, val_acc, val_samples = self.validate(unwrap(self.model))
+            ema_metrics = self.validate_ema()
         return {
             "epoch": state.epoch + 1,
             "step": state.step,
@@ -680,6 +684,8 @@ class Trainer:
     def record_best(self, metrics: dict[str, Any]) -> bool:
         """best.pt follows the weights a user would deploy: the EMA's when --ema is on."""
         accuracy = metrics.get("ema_val_acc", metrics["val_acc"])
+        if accuracy is None:  # not validated (a preemption inside the epoch)
+            return False
         is_best = accuracy > self.state.best_val_acc
         self.state.best_val_acc = max(self.state.best_val_acc, accuracy)
         return is_best

@@ -62,9 +62,13 @@ def format_metrics(metrics: dict) -> str:
     ema = ""
     if metrics.get("ema_val_acc") is not None:  # --ema: the averaged weights beside the raw
         ema = f" · EMA val acc {100 * metrics['ema_val_acc']:.2f}%"
+    if metrics.get("val_loss") is None:  # a preemption inside the epoch: saved, not validated
+        validation = "not validated"
+    else:
+        validation = f"val loss {metrics['val_loss']:.4f} · val acc {100 * metrics['val_acc']:.2f}%"
     return (
-        f"train loss {metrics['train_loss']:.4f} · val loss {metrics['val_loss']:.4f} · "
-        f"val acc {100 * metrics['val_acc']:.2f}%{ema} · {metrics['images_per_sec']:.0f} img/s"
+        f"train loss {metrics['train_loss']:.4f} · {validation}{ema} · "
+        f"{metrics['images_per_sec']:.0f} img/s"
     )
 
 
