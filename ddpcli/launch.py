@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ddpcli import ui
-from ddpcli.config import TrainConfig
+from ddpcli.config import ScriptLaunchConfig, TrainConfig
 from ddpcli.environments import LauncherEnv, read_launcher_env
 from ddpcli.errors import (
     INTERRUPTED,
@@ -168,6 +168,26 @@ class WorkerJob:
         """Where node 0's agent listens when the job's agents meet on the master's address:
         --master-port, else torchrun's default."""
         return self.master_port or DEFAULT_MASTER_PORT
+
+
+def job_membership(cfg: TrainConfig | ScriptLaunchConfig) -> dict[str, Any]:
+    """The WorkerJob fields that say how this node meets the others, as `train` and
+    `launch` both give them."""
+    master_addr, master_port = cfg.master_addr, cfg.master_port
+    if cfg.rdzv_endpoint:  # --rdzv-endpoint names node 0's agent of a static job too
+        master_addr, master_port = cfg.rendezvous_address(DEFAULT_MASTER_PORT)
+    return {
+        "nnodes": cfg.nnodes,
+        "node_rank": cfg.node_rank,
+        "master_addr": master_addr,
+        "master_port": master_port,
+        "rendezvous": cfg.rendezvous_address(DEFAULT_MASTER_PORT) if cfg.elastic else None,
+        "min_nnodes": cfg.min_nnodes,
+        "rdzv_id": cfg.rdzv_id,
+        "ifname": cfg.ifname,
+        "timeout_s": cfg.timeout,
+        "max_restarts": cfg.max_restarts,
+    }
 
 
 def launch_config(job: WorkerJob, scratch: str) -> LaunchConfig:
@@ -417,23 +437,11 @@ def _launch_elastic(cfg: TrainConfig, debug: bool) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="ddpcli-launch-") as private:
         request = Path(private) / "config.json"
         request.write_text(cfg.model_dump_json())
-        master_addr, master_port = cfg.master_addr, cfg.master_port
-        if cfg.rdzv_endpoint:  # --rdzv-endpoint names node 0's agent of a static job too
-            master_addr, master_port = cfg.rendezvous_address(DEFAULT_MASTER_PORT)
         job = WorkerJob(
             module=WORKER_MODULE,
             args=[str(request), str(out)],  # the second names the run for `ps`, unread
             nproc_per_node=cfg.nproc_per_node,
-            nnodes=cfg.nnodes,
-            node_rank=cfg.node_rank,
-            master_addr=master_addr,
-            master_port=master_port,
-            rendezvous=cfg.rendezvous_address(DEFAULT_MASTER_PORT) if cfg.elastic else None,
-            min_nnodes=cfg.min_nnodes,
-            rdzv_id=cfg.rdzv_id,
-            ifname=cfg.ifname,
-            timeout_s=cfg.timeout,
-            max_restarts=cfg.max_restarts,
+            **job_membership(cfg),
             env={**train_environment(cfg), **({"DDPCLI_DEBUG": "1"} if debug else {})},
             log_dir=str(cfg.log_dir) if cfg.log_dir else None,
             settings=settings_every_node_shares(cfg),

@@ -15,9 +15,9 @@ from ddpcli.checkenv.network import port_holder, port_is_free
 from ddpcli.config import ScriptLaunchConfig
 from ddpcli.errors import DdpcliError, usage_error
 from ddpcli.launch import (
-    DEFAULT_MASTER_PORT,
     JobStopped,
     WorkerJob,
+    job_membership,
     run_workers,
     worker_environment,
 )
@@ -77,23 +77,14 @@ def check_master_port(port: int) -> None:
 
 def script_job(cfg: ScriptLaunchConfig) -> WorkerJob:
     target = ["-m", cfg.target] if cfg.module else [cfg.target]
-    master_addr, master_port = cfg.master_addr, cfg.master_port
-    if cfg.rdzv_endpoint:  # --rdzv-endpoint names node 0's agent of a static job too
-        master_addr, master_port = cfg.rendezvous_address(DEFAULT_MASTER_PORT)
+    membership = job_membership(cfg)
+    if cfg.standalone:  # one node, its rendezvous on a free port
+        membership["master_port"] = None
     return WorkerJob(
         module=BOOTSTRAP_MODULE,
         args=[*target, *cfg.script_args],
         nproc_per_node=cfg.nproc_per_node,
-        nnodes=cfg.nnodes,
-        node_rank=cfg.node_rank,
-        master_addr=master_addr,
-        master_port=None if cfg.standalone else master_port,
-        rendezvous=cfg.rendezvous_address(DEFAULT_MASTER_PORT) if cfg.elastic else None,
-        min_nnodes=cfg.min_nnodes,
-        rdzv_id=cfg.rdzv_id,
-        ifname=cfg.ifname,
-        timeout_s=cfg.timeout,
-        max_restarts=cfg.max_restarts,
+        **membership,
         env=worker_environment(cfg.gpus, cfg.nproc_per_node, cfg.ifname),
         log_dir=cfg.log_dir,
         timeout_bounds_collectives=False,

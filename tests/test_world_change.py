@@ -127,6 +127,11 @@ def test_a_divisible_world_keeps_the_global_batch_by_accumulating():
     assert "peak lr 0.05 -> 0.05" in line  # tinycnn: 0.2 per 256 images, linear
     # Growing back: 2 x 16 x 2 at 4 ranks is 4 x 16 x 1.
     assert resumed(now, 2, 4)["accumulate"] == 1
+    # A restart at the same world (the command still says --accumulate 1) keeps what the
+    # policy set, not the command's 1; a new --accumulate on the command is taken as given.
+    again = resumed(now, 2, 2)
+    assert again["accumulate"] == 2 and again["requested_accumulate"] == 1
+    assert resumed(now, 2, 2, accumulate=4)["accumulate"] == 4
 
 
 def test_an_indivisible_world_keeps_the_per_process_batch_and_the_rate_follows():

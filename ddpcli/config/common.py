@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Mapping
-from typing import Annotated, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ValidationError
 
@@ -169,6 +169,30 @@ def endpoint_address(
         host, _, port = endpoint.partition(":")
         return host, int(port) if port else DEFAULT_RDZV_PORT
     return master_addr, master_port or default_port
+
+
+class Membership:
+    """How the nodes of a job meet, read the same way by `train` and `launch` configs (both
+    have the fields below; declared for the type checker only, so that pydantic neither
+    takes them for fields of their own nor reorders the configs' fields)."""
+
+    if TYPE_CHECKING:
+        min_nnodes: int | None
+        nnodes: int
+        rdzv_backend: RdzvBackend | None
+        rdzv_endpoint: str | None
+        master_addr: str
+        master_port: int | None
+
+    @property
+    def elastic(self) -> bool:
+        """The nodes meet in a c10d rendezvous, with no --node-rank (`--nnodes MIN:MAX`)."""
+        return elastic_rendezvous(self.min_nnodes, self.nnodes, self.rdzv_backend)
+
+    def rendezvous_address(self, default_port: int) -> tuple[str, int]:
+        return endpoint_address(
+            self.rdzv_endpoint, self.master_addr, self.master_port, default_port
+        )
 
 
 # --- Pods: torchrun's PET_* variables as flag defaults ----------------------------------------

@@ -11,11 +11,10 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ddpcli.config.common import (
     GpuList,
+    Membership,
     RdzvBackend,
     check_membership,
     check_node_rank,
-    elastic_rendezvous,
-    endpoint_address,
     given,
     nproc_spec,
     pod_defaults,
@@ -29,7 +28,7 @@ from ddpcli.errors import DdpcliError
 MIN_TIMEOUT_S = 1.0
 
 
-class ScriptLaunchConfig(BaseModel):
+class ScriptLaunchConfig(Membership, BaseModel):
     """Everything `ddpcli launch` needs. Field names are the flags with `_` for `-`."""
 
     model_config = ConfigDict(extra="forbid")
@@ -73,15 +72,6 @@ class ScriptLaunchConfig(BaseModel):
                 f"{self.nnodes}; drop one of them"
             )
         return self
-
-    @property
-    def elastic(self) -> bool:
-        return elastic_rendezvous(self.min_nnodes, self.nnodes, self.rdzv_backend)
-
-    def rendezvous_address(self, default_port: int) -> tuple[str, int]:
-        return endpoint_address(
-            self.rdzv_endpoint, self.master_addr, self.master_port, default_port
-        )
 
     @property
     def nproc_per_node(self) -> int:

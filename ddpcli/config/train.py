@@ -30,12 +30,11 @@ from ddpcli.config.common import (
     Backend,
     DatasetName,
     GpuList,
+    Membership,
     Precision,
     RdzvBackend,
     check_membership,
     check_node_rank,
-    elastic_rendezvous,
-    endpoint_address,
     from_comma_text,
     given,
     nproc_spec,
@@ -164,7 +163,7 @@ Betas = Annotated[
 ModelArgs = Annotated[dict[str, Any], BeforeValidator(parse_model_args)]
 
 
-class TrainConfig(BaseModel):
+class TrainConfig(Membership, BaseModel):
     """Everything `ddpcli train` needs. Field names are the flags with `_` for `-`."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -305,6 +304,10 @@ class TrainConfig(BaseModel):
     # Resolved, never given: why `--precision auto` became what `precision` holds (the header
     # says it; ddpcli.precision decides it).
     precision_reason: str | None = None
+    # Resolved, never given: the command's --accumulate when a resume's batch policy set
+    # another to keep the global batch (TrainConfig.for_world_change); the checkpoint keeps
+    # it, so that the next restart at the same world keeps the policy's value.
+    requested_accumulate: int | None = None
 
     @field_validator("init_method")
     @classmethod
@@ -425,16 +428,6 @@ class TrainConfig(BaseModel):
         return len(self.gpus) if self.gpus and not self.cpu else (self.nproc or 2)
 
     @property
-    def elastic(self) -> bool:
-        """The nodes meet in a c10d rendezvous, with no --node-rank (`--nnodes MIN:MAX`)."""
-        return elastic_rendezvous(self.min_nnodes, self.nnodes, self.rdzv_backend)
-
-    def rendezvous_address(self, default_port: int) -> tuple[str, int]:
-        return endpoint_address(
-            self.rdzv_endpoint, self.master_addr, self.master_port, default_port
-        )
-
-    @property
     def world_size(self) -> int:
         return self.nproc_per_node * self.nnodes
 
@@ -451,16 +444,23 @@ class TrainConfig(BaseModel):
     def for_world_change(
         self, saved: dict[str, Any], saved_world: int, world_size: int
     ) -> TrainConfig:
-        """The batch policy of a resume at another world: with the per-process batch
-        unchanged, --accumulate is set so that the checkpoint's global batch is kept when
-        the new world divides it; otherwise this config's accumulation stays, and the peak
-        rate follows the new global batch by the lr-scaling rule. A new --per-gpu-batch
-        is taken as given."""
-        if saved_world == world_size or saved.get("per_gpu_batch") != self.per_gpu_batch:
+        """The batch policy of a resume at another world: with the per-process batch and the
+        command's --accumulate as they were, --accumulate is set so that the checkpoint's
+        global batch is kept when the new world divides it; otherwise this config's
+        accumulation stays, and the peak rate follows the new global batch by the
+        lr-scaling rule. A new --per-gpu-batch or --accumulate is taken as given. The
+        checkpoint's world may be this one: a restart after the policy raised --accumulate
+        keeps it."""
+        requested = int(saved.get("requested_accumulate") or saved.get("accumulate", 1))
+        if saved.get("per_gpu_batch") != self.per_gpu_batch or self.accumulate != requested:
             return self
         saved_global = self.per_gpu_batch * saved_world * int(saved.get("accumulate", 1))
+        if saved_global == self.per_gpu_batch * world_size * self.accumulate:
+            return self
         accumulate = accumulate_keeping(saved_global, self.per_gpu_batch, world_size)
-        return self.model_copy(update={"accumulate": accumulate or self.accumulate})
+        if accumulate is None:
+            return self
+        return self.model_copy(update={"accumulate": accumulate, "requested_accumulate": requested})
 
     def peak_lr_at(self, world_size: int, micro_batches_per_epoch: int | None = None) -> float:
         """--lr scaled by --lr-scaling to this run's global batch (see `scaled_lr`)."""
@@ -654,6 +654,8 @@ def build_train_config(
     values = {**from_pod, **without_overridden(from_recipe, from_flags), **from_flags}
     if "precision_reason" in values:
         raise usage_error("precision_reason is not a setting; the run states why it chose one")
+    if "requested_accumulate" in values:
+        raise usage_error("requested_accumulate is not a setting; set accumulate")
     if "peak_lr" in values:
         where = f"recipe {recipe}" if recipe and "peak_lr" in from_recipe else "the flags"
         raise usage_error(
