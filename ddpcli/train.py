@@ -26,6 +26,7 @@ from ddpcli.checkpoint.schema import (
     TrainingParts,
     TrainState,
     find_resume_path,
+    global_batch_of,
     load_training_checkpoint,
     restore_training,
     resume_warnings,
@@ -221,12 +222,22 @@ class Trainer:
     def resume(self, path: Path) -> None:
         payload = load_training_checkpoint(path, map_location=self.ctx.device)
         self.state = restore_training(payload, self.parts(), self.ctx, path, self.cfg.per_gpu_batch)
+        saved_batch = global_batch_of(payload.get("config") or {}, payload["world_size"])
+        if saved_batch != self.global_batch:  # the restored step count is in the old steps
+            self.scheduler.last_epoch = self.schedule_position()
         use_peak_lr(self.scheduler, self.cfg.resolved_peak_lr)
         self.finite_step = self.state.step
         if path.resolve() == (self.writer.directory / "last.pt").resolve():
             self.saved_step = self.state.step
         if self.ctx.is_main:
             self.announce_resume(payload, path)
+
+    def schedule_position(self) -> int:
+        """The optimizer steps this run's global batch takes to where the restored epoch
+        stands, so that warm-up and cosine end where the run ends after a world change."""
+        state, cfg = self.state, self.cfg
+        done = state.epoch_start + state.batch_in_epoch * cfg.per_gpu_batch * self.ctx.world_size
+        return state.epoch * self.steps_per_epoch + round(done / self.global_batch)
 
     def announce_resume(self, payload: dict[str, Any], path: Path) -> None:
         """Rank 0: where the run goes on, what a new world changed, and how it deals the
