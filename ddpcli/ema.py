@@ -5,6 +5,7 @@ steps, and copied instead of averaged while the learning rate warms up."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -18,6 +19,24 @@ def adjusted_decay(decay: float, global_batch: int, ema_steps: int, epochs: int)
     scales 1 - decay by global_batch x ema_steps / epochs (capped at copying the weights)."""
     alpha = min(1.0, (1.0 - decay) * global_batch * ema_steps / epochs)
     return 1.0 - alpha
+
+
+def slow_average_warning(
+    decay: float, every_steps: int, warmup_steps: int, total_steps: int
+) -> str:
+    """A warning when the average cannot move in this run: after its last update more than
+    half of it would still be the weights the warm-up ended with (decay^updates > 0.5), as
+    the reference's decay, made for 600 epochs, does on a short schedule. "" otherwise."""
+    updates = max(0, total_steps - warmup_steps) // every_steps
+    kept = decay**updates
+    if kept <= 0.5:
+        return ""
+    half_life = math.log(0.5) / math.log(decay) if 0 < decay < 1 else math.inf
+    return (
+        f"--ema: at decay {decay:.6g} (adjusted) the average makes {updates} update(s) after "
+        f"the warm-up and would still be {100 * kept:.0f}% the weights the warm-up ended "
+        f"with (its half-life is {half_life:.0f} updates); lower --ema-decay or raise --epochs"
+    )
 
 
 class WeightAverage:

@@ -41,7 +41,7 @@ from ddpcli.data.pipeline import DataPipeline
 from ddpcli.data.resharding import samples_trained
 from ddpcli.data.sets import SKIPPED_IMAGES_FILE
 from ddpcli.dist import DistContext, all_reduce_max, all_reduce_sum, barrier
-from ddpcli.ema import WeightAverage, adjusted_decay
+from ddpcli.ema import WeightAverage, adjusted_decay, slow_average_warning
 from ddpcli.errors import DdpcliError, agreed_error, runtime_error
 from ddpcli.models import build_model
 from ddpcli.param_groups import weight_decay_groups
@@ -379,6 +379,12 @@ class Trainer:
         )
         if ingredients := ingredients_line(cfg, self.ema):
             ui.info(ingredients)
+        if self.ema is not None and (
+            warning := slow_average_warning(
+                self.ema.decay, self.ema.every_steps, self.warmup_steps, self.total_steps
+            )
+        ):
+            ui.warn(warning)
         skipped = self.data.splits.skipped
         if skipped:
             ui.warn(

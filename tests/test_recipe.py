@@ -24,7 +24,7 @@ from ddpcli.data.autoaugment import auto_augment_images, policy_transform
 from ddpcli.data.erasing import erase_images
 from ddpcli.data.mixing import BatchMixing
 from ddpcli.data.ra_sampler import repeated_shard
-from ddpcli.ema import WeightAverage, adjusted_decay
+from ddpcli.ema import WeightAverage, adjusted_decay, slow_average_warning
 from ddpcli.models import TinyCNN
 from ddpcli.param_groups import weight_decay_groups
 
@@ -112,6 +112,18 @@ def test_ema_decay_is_adjusted_as_torchvisions_reference_does():
     # references/classification/train.py: adjust = world x batch x ema_steps / epochs
     assert adjusted_decay(0.99998, 1024, 32, 600) == pytest.approx(1 - 2e-5 * 1024 * 32 / 600)
     assert adjusted_decay(0.9, 1024, 32, 1) == 0.0  # capped: a plain copy
+
+
+def test_an_average_that_cannot_move_in_this_run_is_said():
+    # The v2 recipe's schedule: 600 epochs of 1251 steps, EMA every 32: it moves; no word.
+    imagenet = adjusted_decay(0.99998, 1024, 32, 600)
+    assert slow_average_warning(imagenet, 32, 5 * 1251, 600 * 1251) == ""
+    # Its decay on 10 epochs of 22 steps: 49 updates, the average stays at the warm-up's end.
+    short = adjusted_decay(0.99998, 64, 4, 10)
+    warning = slow_average_warning(short, 4, 22, 220)
+    assert "makes 49 update(s)" in warning and "would still be 98%" in warning
+    assert "lower --ema-decay" in warning
+    assert slow_average_warning(0.9, 4, 22, 220) == ""  # 0.9^49: it has moved
 
 
 def train_steps(model: nn.Module, steps: int, seed: int = 0):

@@ -15,9 +15,9 @@ EVERY_INGREDIENT = [
     "--cpu", "--nproc", "2", "--arch", "tinycnn", "--image-size", "16", "--synthetic-size", "128",
     "--per-gpu-batch", "16", "--epochs", "2", "--augment", "rrc", "--train-crop-size", "12",
     "--val-resize-size", "16", "--val-crop-size", "14", "--sync-bn", "--ema", "--ema-steps", "2",
-    "--mixup-alpha", "0.2", "--cutmix-alpha", "1.0", "--auto-augment", "ta_wide",
-    "--random-erase", "0.25", "--ra-reps", "2", "--norm-weight-decay", "1e-5",
-    "--label-smoothing", "0.1",
+    "--ema-decay", "0.99", "--mixup-alpha", "0.2", "--cutmix-alpha", "1.0",
+    "--auto-augment", "ta_wide", "--random-erase", "0.25", "--ra-reps", "2",
+    "--norm-weight-decay", "1e-5", "--label-smoothing", "0.1",
 ]  # fmt: skip
 COMPARED = ("train_loss", "train_acc", "val_loss", "val_acc", "ema_val_loss", "ema_val_acc", "lr")
 
