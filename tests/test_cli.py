@@ -196,10 +196,11 @@ def test_train_help_shows_each_default_and_the_choices():
 
     for name in TrainConfig.model_fields:
         flag = FLAG_SPELLINGS.get(name, f"--{name.replace('_', '-')}")
-        # peak_lr, world_from, precision_reason: resolved, not given; min_nnodes: the MIN of
-        # --nnodes MIN:MAX; the others: debugging variables
+        # peak_lr, world_from, precision_reason, requested_accumulate: resolved, not given;
+        # min_nnodes: the MIN of --nnodes MIN:MAX; the others: debugging variables
         settings = name not in (
-            "trace_samples", "slow_data", "peak_lr", "world_from", "min_nnodes", "precision_reason"
+            "trace_samples", "slow_data", "peak_lr", "world_from", "min_nnodes", "precision_reason",
+            "requested_accumulate",
         )  # fmt: skip
         if settings and flag not in flags_without_value:
             assert "[default: " in option_row(lines, flag), flag
