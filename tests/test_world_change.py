@@ -1,5 +1,6 @@
 """A world that changes size loses nothing: the rest of the interrupted epoch is dealt over
-the new ranks from the checkpoint's global sample offset, each sample to exactly one rank.
+the new ranks from the checkpoint's global sample offset, each sample to exactly one rank,
+the tail that fills no global batch folded into each rank's last micro-batch.
 
 Pure arithmetic first (the offset, the split, the batch policy), then one run stopped inside
 its first epoch at 3 ranks and resumed at 2, checked from the samples each rank trained.
@@ -22,11 +23,14 @@ from ddpcli.config.train import accumulate_keeping
 from ddpcli.data.pipeline import train_shard
 from ddpcli.data.ra_sampler import repeated_shard
 from ddpcli.data.resharding import (
+    LEAST_BATCH,
     epoch_order,
     left_out,
+    remaining_batch_sizes,
     remaining_shard,
     remaining_steps,
     samples_trained,
+    split_in_batches,
 )
 from ddpcli.dist import DistContext
 
@@ -60,14 +64,72 @@ def test_the_rest_of_an_epoch_is_dealt_once_over_the_new_ranks(size, old, new, b
     # What DistributedSampler handed out so far is exactly the order's first OFFSET samples.
     assert sorted(trained) == sorted(order[:offset])
     shards = [remaining_shard(order, offset, new, rank, batch) for rank in range(new)]
+    sizes = [remaining_batch_sizes(size, offset, new, rank, batch) for rank in range(new)]
     steps = remaining_steps(size, offset, new, batch)
-    assert all(len(shard) == steps * batch for shard in shards)  # the same steps on every rank
+    assert all(len(lengths) == steps for lengths in sizes)  # the same steps on every rank
+    assert [len(shard) for shard in shards] == [sum(lengths) for lengths in sizes]
     rest = Counter(index for shard in shards for index in shard)
     assert max(rest.values(), default=1) == 1 and not rest.keys() & set(trained)
-    dropped = left_out(size, offset, new, batch)
-    assert 0 <= dropped < batch * new
-    # Everything not trained before is trained now, but the order's last DROPPED samples.
-    assert sorted(rest) == sorted(order[offset : size - dropped])
+    assert left_out(size, offset, new, batch) == 0
+    # Everything not trained before is trained now, the tail too.
+    assert sorted(rest) == sorted(order[offset:])
+
+
+def rest_chunks(size: int, start: int, world: int, batch: int) -> list[list[list[int]]]:
+    """Each rank's micro-batches of the rest, as lists of positions in the epoch's order."""
+    ranks = []
+    for rank in range(world):
+        positions = list(range(start + rank, size, world))
+        chunks, end = [], 0
+        for length in remaining_batch_sizes(size, start, world, rank, batch):
+            chunks.append(positions[end : end + length])
+            end += length
+        ranks.append(chunks)
+    return ranks
+
+
+def test_every_position_of_the_rest_lands_in_exactly_one_micro_batch():
+    for size in (7, 16, 33, 96, 101):
+        for start in range(1, size):
+            for world in (1, 2, 3, 5):
+                for batch in (1, 2, 4, 7):
+                    ranks = rest_chunks(size, start, world, batch)
+                    steps = remaining_steps(size, start, world, batch)
+                    where = (size, start, world, batch)
+                    assert all(len(chunks) == steps for chunks in ranks), where
+                    seen = [p for chunks in ranks for chunk in chunks for p in chunk]
+                    assert len(seen) == len(set(seen)), where
+                    dropped = left_out(size, start, world, batch)
+                    assert sorted(seen) == list(range(start, size - dropped)), where
+                    lengths = [len(chunk) for chunks in ranks for chunk in chunks]
+                    assert min(lengths, default=LEAST_BATCH) >= LEAST_BATCH or batch == 1, where
+                    # Full micro-batches but the last, which holds the tail; nothing is left
+                    # out unless some rank would hold fewer than LEAST_BATCH.
+                    assert all(
+                        chunk == batch for chunks in ranks for chunk in map(len, chunks[:-1])
+                    )
+                    least_share = (size - start) // world
+                    assert (dropped > 0) == (least_share < min(batch, LEAST_BATCH)), where
+                    if least_share >= batch:
+                        assert all(batch <= len(c[-1]) <= 2 * batch for c in ranks), where
+
+
+def test_the_tail_is_folded_into_the_last_micro_batch():
+    # 96 samples, 36 trained: 60 over 2 ranks, 30 each: 6 batches of 4, then one of 6.
+    assert remaining_batch_sizes(96, 36, 2, 0, 4) == [4] * 6 + [6]
+    # 61 left over 2 ranks: rank 0 holds 31, rank 1 30; the last batches differ by one.
+    assert remaining_batch_sizes(97, 36, 2, 0, 4) == [4] * 6 + [7]
+    assert remaining_batch_sizes(97, 36, 2, 1, 4) == [4] * 6 + [6]
+    # Less than a global batch left: one micro-batch each of what there is, from 2 up.
+    assert remaining_batch_sizes(96, 90, 2, 1, 4) == [3]
+    assert remaining_batch_sizes(96, 93, 2, 0, 4) == remaining_batch_sizes(96, 93, 2, 1, 4) == []
+    assert left_out(96, 93, 2, 4) == 3 and left_out(96, 92, 2, 4) == 0
+
+
+def test_an_ordinary_epoch_keeps_full_batches_and_drops_its_last_partial_one():
+    assert split_in_batches(35, 4, drop_last=True) == [4] * 8
+    assert split_in_batches(35, 4, drop_last=False) == [4] * 8 + [3]
+    assert split_in_batches(32, 4, drop_last=False) == [4] * 8
 
 
 def test_a_second_change_inside_the_same_epoch_goes_on_from_its_own_offset():
@@ -78,7 +140,7 @@ def test_a_second_change_inside_the_same_epoch_goes_on_from_its_own_offset():
     second = samples_trained(first, 5, batch, 2)  # then 2 ranks, 5 micro-batches
     four = [remaining_shard(order, second, 4, rank, batch) for rank in range(4)]
     seen = order[:first] + [i for shard in two + four for i in shard]
-    assert len(seen) == len(set(seen)) == size - left_out(size, second, 4, batch)
+    assert len(seen) == len(set(seen)) == size
 
 
 def test_the_order_is_the_samplers_own_with_and_without_ra_reps():
@@ -176,11 +238,11 @@ def test_a_run_stopped_at_3_ranks_and_resumed_at_2_trains_each_sample_once(tmp_p
     said = second.stderr
     assert "world 3 -> 2: global batch 12 -> 8 (per-process batch 4 kept; 12 is not a " in said
     assert "epoch 1: 36 of 96 samples trained before the resume; the other 60 dealt over 2 " \
-        "ranks, 7 batch(es) of 4 each; the last 4 left out" in said  # fmt: skip
+        "ranks, 7 batches of 4 each, the last of them 6 (the tail folded in)" in said  # fmt: skip
     seen = traced_epoch(trace, 3, epoch=0)
-    assert max(seen.values()) == 1  # no sample twice
-    # Every sample but the order's last 4, which no full global batch of 8 holds.
-    assert set(seen) == set(epoch_order(SAMPLES, 0, 0)[:-4])
+    # Every sample of the epoch exactly once over both parts: the 4 that fill no global
+    # batch of 8 at 2 ranks are trained in each rank's last micro-batch of 6.
+    assert seen == Counter(range(SAMPLES))
     metrics = read_metrics(out)
     assert [(m["epoch"], m["world_size"], m["global_batch"]) for m in metrics] == [(1, 2, 8)]
     assert "partial" not in metrics[0]  # the whole epoch's row replaced the stopped part's
