@@ -210,9 +210,32 @@ def test_an_indivisible_world_keeps_the_per_process_batch_and_the_rate_follows()
 
 SAMPLES, BATCH = 96, 4
 SETTINGS = [
-    "--cpu", "--arch", "tinycnn", "--image-size", "16", "--synthetic-size", str(SAMPLES),
-    "--per-gpu-batch", str(BATCH), "--epochs", "1", "--timeout", "60",
+    "--cpu", "--arch", "tinycnn", "--image-size", "16", "--per-gpu-batch", str(BATCH),
+    "--epochs", "1", "--timeout", "60",
 ]  # fmt: skip
+
+
+def write_noise_folder(root: Path, per_class: int) -> None:
+    """Three classes of small noise PNGs in each split (tests/test_data.py's folders hold
+    at most 28 images a class)."""
+    from PIL import Image
+
+    generator = torch.Generator().manual_seed(0)
+    for split in ("train", "val"):
+        for name in ("cat", "dog", "owl"):
+            (root / split / name).mkdir(parents=True)
+            for index in range(per_class):
+                pixels = torch.randint(0, 256, (16, 16, 3), dtype=torch.uint8, generator=generator)
+                Image.fromarray(pixels.numpy()).save(root / split / name / f"{index}.png")
+
+
+def data_settings(data_path: str, root: Path) -> list[str]:
+    """The device path on a synthetic set; the loader path on an image folder of as many."""
+    if data_path == "device":
+        return ["--synthetic-size", str(SAMPLES), "--data-path", "device"]
+    write_noise_folder(root, per_class=SAMPLES // 3)
+    return ["--dataset", "imagefolder", "--data-dir", str(root), "--data-path", "loader",
+            "--workers", "0"]  # fmt: skip
 
 
 def traced_epoch(trace: Path, ranks: int, epoch: int) -> Counter:
@@ -225,14 +248,16 @@ def traced_epoch(trace: Path, ranks: int, epoch: int) -> Counter:
     return seen
 
 
-def test_a_run_stopped_at_3_ranks_and_resumed_at_2_trains_each_sample_once(tmp_path):
+@pytest.mark.parametrize("data_path", ["device", "loader"])
+def test_a_run_stopped_at_3_ranks_and_resumed_at_2_trains_each_sample_once(tmp_path, data_path):
     out, trace = tmp_path / "run", tmp_path / "trace"
     env = {"DDPCLI_TRACE_SAMPLES": str(trace)}
-    first = run_cli("train", *SETTINGS, "--nproc", "3", "--max-steps", "3", "--out", str(out),
+    settings = SETTINGS + data_settings(data_path, tmp_path / "images")
+    first = run_cli("train", *settings, "--nproc", "3", "--max-steps", "3", "--out", str(out),
                     env=env, timeout=240)  # fmt: skip
     assert first.returncode == 0, first.stderr[-3000:]
     assert safe_load(out / "checkpoints" / "last.pt")["sample_offset"] == 3 * BATCH * 3
-    second = run_cli("train", *SETTINGS, "--nproc", "2", "--resume", "auto", "--out", str(out),
+    second = run_cli("train", *settings, "--nproc", "2", "--resume", "auto", "--out", str(out),
                      env=env, timeout=240)  # fmt: skip
     assert second.returncode == 0, second.stderr[-3000:]
     said = second.stderr
