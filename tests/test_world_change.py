@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import read_metrics, run_cli
+from test_speed_paths import assert_same_batches, collect, context, pipeline, tiny_config
 
 from ddpcli.checkpoint.loading import safe_load
 from ddpcli.checkpoint.schema import resumed_position, sample_offset, world_change_line
@@ -130,6 +131,21 @@ def test_an_ordinary_epoch_keeps_full_batches_and_drops_its_last_partial_one():
     assert split_in_batches(35, 4, drop_last=True) == [4] * 8
     assert split_in_batches(35, 4, drop_last=False) == [4] * 8 + [3]
     assert split_in_batches(32, 4, drop_last=False) == [4] * 8
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_both_data_paths_fold_the_tail_into_the_last_batch_alike(tmp_path, rank):
+    # 52 images, 18 trained before: 34 over 2 ranks, 17 each, in batches of 8 then 9.
+    cfg = tiny_config(tmp_path, random_erase=0.5)
+    ctx = context(rank, world_size=2)
+    device_path, loader_path = pipeline(cfg, ctx, True), pipeline(cfg, ctx, False)
+    want = collect(device_path.train_batches(0, start=18))
+    assert [len(labels) for _, labels in want] == [8, 9] and device_path.steps_per_epoch(18) == 2
+    assert_same_batches(collect(loader_path.train_batches(0, start=18)), want)
+    # An exact resume inside the re-dealt rest skips its full batches and keeps the tail.
+    assert_same_batches(collect(loader_path.train_batches(0, 1, start=18)), want[1:])
+    # An ordinary epoch is unchanged: 26 keys a rank, 3 full batches, the 2 left dropped.
+    assert [len(labels) for _, labels in collect(loader_path.train_batches(0))] == [8, 8, 8]
 
 
 def test_a_second_change_inside_the_same_epoch_goes_on_from_its_own_offset():

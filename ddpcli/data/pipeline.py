@@ -270,8 +270,8 @@ class DataPipeline:
         )
         if left_out(size, start, world, batch):
             return (
-                f"{head} left out (too few for a batch of {LEAST_BATCH} on each of {world} "
-                "ranks, the least a training batch holds)"
+                f"{head} left out (too few for a batch of {min(batch, LEAST_BATCH)} on each of "
+                f"{world} ranks, the least a training batch holds)"
             )
         last_sizes = sorted(
             {remaining_batch_sizes(size, start, world, rank, batch)[-1] for rank in range(world)}
