@@ -11,9 +11,10 @@ no sample of the interrupted epoch is trained twice.
 The re-dealt rest is trained to the end of the set, none of it left out: each rank's
 micro-batches are full but its last, which also takes the rank's share of what no full
 global batch holds (B to 2B - 1 keys, plus one on some ranks). Every rank still runs the
-same number of micro-batches, as DDP needs. The one exception: a rest so short that a rank
-would hold fewer than 2 samples (BatchNorm's least, in training) is left out, and the
-resume's header says so. The uninterrupted epoch may have dropped its own last, partial
+same number of micro-batches, as DDP needs. A rest shorter than one global batch is one
+micro-batch of what each rank holds; the one exception: when some rank would hold fewer
+than 2 samples (BatchNorm's least, in training), that rest is left out, and the resume's
+header says so. The uninterrupted epoch may have dropped its own last, partial
 global batch (ddpcli.data.pipeline); the re-dealt one trains those few instead: a
 checkpoint does not know the world the epoch began at, and the set's end is the same for
 every world. No padding either: a repeated sample would be trained twice.
