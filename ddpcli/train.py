@@ -604,10 +604,11 @@ class Trainer:
         state = self.state
         if not state.epoch_start:
             return state.batch_in_epoch / self.micro_total
+        if state.batch_in_epoch >= self.epoch_micro_batches():  # the tail folded in: all done
+            return 1.0
         batch, world = self.cfg.per_gpu_batch, self.ctx.world_size
         done = samples_trained(state.epoch_start, state.batch_in_epoch, batch, world)
-        end = samples_trained(state.epoch_start, self.epoch_micro_batches(), batch, world)
-        return done / end
+        return done / self.data.train_size
 
     def reduce_sums(self, sums: torch.Tensor) -> list[float]:
         """The epoch's [loss sum, correct, count] so far, over all ranks, then every rank's

@@ -1,5 +1,6 @@
 """A world that changes size loses nothing: the rest of the interrupted epoch is dealt over
-the new ranks from the checkpoint's global sample offset, each sample to exactly one rank.
+the new ranks from the checkpoint's global sample offset, each sample to exactly one rank,
+the tail that fills no global batch folded into each rank's last micro-batch.
 
 Pure arithmetic first (the offset, the split, the batch policy), then one run stopped inside
 its first epoch at 3 ranks and resumed at 2, checked from the samples each rank trained.
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import read_metrics, run_cli
+from test_speed_paths import assert_same_batches, collect, context, pipeline, tiny_config
 
 from ddpcli.checkpoint.loading import safe_load
 from ddpcli.checkpoint.schema import resumed_position, sample_offset, world_change_line
@@ -22,11 +24,14 @@ from ddpcli.config.train import accumulate_keeping
 from ddpcli.data.pipeline import train_shard
 from ddpcli.data.ra_sampler import repeated_shard
 from ddpcli.data.resharding import (
+    LEAST_BATCH,
     epoch_order,
     left_out,
+    remaining_batch_sizes,
     remaining_shard,
     remaining_steps,
     samples_trained,
+    split_in_batches,
 )
 from ddpcli.dist import DistContext
 
@@ -60,14 +65,87 @@ def test_the_rest_of_an_epoch_is_dealt_once_over_the_new_ranks(size, old, new, b
     # What DistributedSampler handed out so far is exactly the order's first OFFSET samples.
     assert sorted(trained) == sorted(order[:offset])
     shards = [remaining_shard(order, offset, new, rank, batch) for rank in range(new)]
+    sizes = [remaining_batch_sizes(size, offset, new, rank, batch) for rank in range(new)]
     steps = remaining_steps(size, offset, new, batch)
-    assert all(len(shard) == steps * batch for shard in shards)  # the same steps on every rank
+    assert all(len(lengths) == steps for lengths in sizes)  # the same steps on every rank
+    assert [len(shard) for shard in shards] == [sum(lengths) for lengths in sizes]
     rest = Counter(index for shard in shards for index in shard)
     assert max(rest.values(), default=1) == 1 and not rest.keys() & set(trained)
-    dropped = left_out(size, offset, new, batch)
-    assert 0 <= dropped < batch * new
-    # Everything not trained before is trained now, but the order's last DROPPED samples.
-    assert sorted(rest) == sorted(order[offset : size - dropped])
+    assert left_out(size, offset, new, batch) == 0
+    # Everything not trained before is trained now, the tail too.
+    assert sorted(rest) == sorted(order[offset:])
+
+
+def rest_chunks(size: int, start: int, world: int, batch: int) -> list[list[list[int]]]:
+    """Each rank's micro-batches of the rest, as lists of positions in the epoch's order."""
+    ranks = []
+    for rank in range(world):
+        positions = list(range(start + rank, size, world))
+        chunks, end = [], 0
+        for length in remaining_batch_sizes(size, start, world, rank, batch):
+            chunks.append(positions[end : end + length])
+            end += length
+        ranks.append(chunks)
+    return ranks
+
+
+def test_every_position_of_the_rest_lands_in_exactly_one_micro_batch():
+    for size in (7, 16, 33, 96, 101):
+        for start in range(1, size):
+            for world in (1, 2, 3, 5):
+                for batch in (1, 2, 4, 7):
+                    ranks = rest_chunks(size, start, world, batch)
+                    steps = remaining_steps(size, start, world, batch)
+                    where = (size, start, world, batch)
+                    assert all(len(chunks) == steps for chunks in ranks), where
+                    seen = [p for chunks in ranks for chunk in chunks for p in chunk]
+                    assert len(seen) == len(set(seen)), where
+                    dropped = left_out(size, start, world, batch)
+                    assert sorted(seen) == list(range(start, size - dropped)), where
+                    lengths = [len(chunk) for chunks in ranks for chunk in chunks]
+                    assert min(lengths, default=LEAST_BATCH) >= LEAST_BATCH or batch == 1, where
+                    # Full micro-batches but the last, which holds the tail; nothing is left
+                    # out unless some rank would hold fewer than LEAST_BATCH.
+                    assert all(
+                        chunk == batch for chunks in ranks for chunk in map(len, chunks[:-1])
+                    )
+                    least_share = (size - start) // world
+                    assert (dropped > 0) == (least_share < min(batch, LEAST_BATCH)), where
+                    if least_share >= batch:
+                        assert all(batch <= len(c[-1]) <= 2 * batch for c in ranks), where
+
+
+def test_the_tail_is_folded_into_the_last_micro_batch():
+    # 96 samples, 36 trained: 60 over 2 ranks, 30 each: 6 batches of 4, then one of 6.
+    assert remaining_batch_sizes(96, 36, 2, 0, 4) == [4] * 6 + [6]
+    # 61 left over 2 ranks: rank 0 holds 31, rank 1 30; the last batches differ by one.
+    assert remaining_batch_sizes(97, 36, 2, 0, 4) == [4] * 6 + [7]
+    assert remaining_batch_sizes(97, 36, 2, 1, 4) == [4] * 6 + [6]
+    # Less than a global batch left: one micro-batch each of what there is, from 2 up.
+    assert remaining_batch_sizes(96, 90, 2, 1, 4) == [3]
+    assert remaining_batch_sizes(96, 93, 2, 0, 4) == remaining_batch_sizes(96, 93, 2, 1, 4) == []
+    assert left_out(96, 93, 2, 4) == 3 and left_out(96, 92, 2, 4) == 0
+
+
+def test_an_ordinary_epoch_keeps_full_batches_and_drops_its_last_partial_one():
+    assert split_in_batches(35, 4, drop_last=True) == [4] * 8
+    assert split_in_batches(35, 4, drop_last=False) == [4] * 8 + [3]
+    assert split_in_batches(32, 4, drop_last=False) == [4] * 8
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_both_data_paths_fold_the_tail_into_the_last_batch_alike(tmp_path, rank):
+    # 52 images, 18 trained before: 34 over 2 ranks, 17 each, in batches of 8 then 9.
+    cfg = tiny_config(tmp_path, random_erase=0.5)
+    ctx = context(rank, world_size=2)
+    device_path, loader_path = pipeline(cfg, ctx, True), pipeline(cfg, ctx, False)
+    want = collect(device_path.train_batches(0, start=18))
+    assert [len(labels) for _, labels in want] == [8, 9] and device_path.steps_per_epoch(18) == 2
+    assert_same_batches(collect(loader_path.train_batches(0, start=18)), want)
+    # An exact resume inside the re-dealt rest skips its full batches and keeps the tail.
+    assert_same_batches(collect(loader_path.train_batches(0, 1, start=18)), want[1:])
+    # An ordinary epoch is unchanged: 26 keys a rank, 3 full batches, the 2 left dropped.
+    assert [len(labels) for _, labels in collect(loader_path.train_batches(0))] == [8, 8, 8]
 
 
 def test_a_second_change_inside_the_same_epoch_goes_on_from_its_own_offset():
@@ -78,7 +156,7 @@ def test_a_second_change_inside_the_same_epoch_goes_on_from_its_own_offset():
     second = samples_trained(first, 5, batch, 2)  # then 2 ranks, 5 micro-batches
     four = [remaining_shard(order, second, 4, rank, batch) for rank in range(4)]
     seen = order[:first] + [i for shard in two + four for i in shard]
-    assert len(seen) == len(set(seen)) == size - left_out(size, second, 4, batch)
+    assert len(seen) == len(set(seen)) == size
 
 
 def test_the_order_is_the_samplers_own_with_and_without_ra_reps():
@@ -153,9 +231,32 @@ def test_an_indivisible_world_keeps_the_per_process_batch_and_the_rate_follows()
 
 SAMPLES, BATCH = 96, 4
 SETTINGS = [
-    "--cpu", "--arch", "tinycnn", "--image-size", "16", "--synthetic-size", str(SAMPLES),
-    "--per-gpu-batch", str(BATCH), "--epochs", "1", "--timeout", "60",
+    "--cpu", "--arch", "tinycnn", "--image-size", "16", "--per-gpu-batch", str(BATCH),
+    "--epochs", "1", "--timeout", "60",
 ]  # fmt: skip
+
+
+def write_noise_folder(root: Path, per_class: int) -> None:
+    """Three classes of small noise PNGs in each split (tests/test_data.py's folders hold
+    at most 28 images a class)."""
+    from PIL import Image
+
+    generator = torch.Generator().manual_seed(0)
+    for split in ("train", "val"):
+        for name in ("cat", "dog", "owl"):
+            (root / split / name).mkdir(parents=True)
+            for index in range(per_class):
+                pixels = torch.randint(0, 256, (16, 16, 3), dtype=torch.uint8, generator=generator)
+                Image.fromarray(pixels.numpy()).save(root / split / name / f"{index}.png")
+
+
+def data_settings(data_path: str, root: Path) -> list[str]:
+    """The device path on a synthetic set; the loader path on an image folder of as many."""
+    if data_path == "device":
+        return ["--synthetic-size", str(SAMPLES), "--data-path", "device"]
+    write_noise_folder(root, per_class=SAMPLES // 3)
+    return ["--dataset", "imagefolder", "--data-dir", str(root), "--data-path", "loader",
+            "--workers", "0"]  # fmt: skip
 
 
 def traced_epoch(trace: Path, ranks: int, epoch: int) -> Counter:
@@ -168,24 +269,26 @@ def traced_epoch(trace: Path, ranks: int, epoch: int) -> Counter:
     return seen
 
 
-def test_a_run_stopped_at_3_ranks_and_resumed_at_2_trains_each_sample_once(tmp_path):
+@pytest.mark.parametrize("data_path", ["device", "loader"])
+def test_a_run_stopped_at_3_ranks_and_resumed_at_2_trains_each_sample_once(tmp_path, data_path):
     out, trace = tmp_path / "run", tmp_path / "trace"
     env = {"DDPCLI_TRACE_SAMPLES": str(trace)}
-    first = run_cli("train", *SETTINGS, "--nproc", "3", "--max-steps", "3", "--out", str(out),
+    settings = SETTINGS + data_settings(data_path, tmp_path / "images")
+    first = run_cli("train", *settings, "--nproc", "3", "--max-steps", "3", "--out", str(out),
                     env=env, timeout=240)  # fmt: skip
     assert first.returncode == 0, first.stderr[-3000:]
     assert safe_load(out / "checkpoints" / "last.pt")["sample_offset"] == 3 * BATCH * 3
-    second = run_cli("train", *SETTINGS, "--nproc", "2", "--resume", "auto", "--out", str(out),
+    second = run_cli("train", *settings, "--nproc", "2", "--resume", "auto", "--out", str(out),
                      env=env, timeout=240)  # fmt: skip
     assert second.returncode == 0, second.stderr[-3000:]
     said = second.stderr
     assert "world 3 -> 2: global batch 12 -> 8 (per-process batch 4 kept; 12 is not a " in said
     assert "epoch 1: 36 of 96 samples trained before the resume; the other 60 dealt over 2 " \
-        "ranks, 7 batch(es) of 4 each; the last 4 left out" in said  # fmt: skip
+        "ranks, 7 batches of 4 each, the last of them 6 (the tail folded in)" in said  # fmt: skip
     seen = traced_epoch(trace, 3, epoch=0)
-    assert max(seen.values()) == 1  # no sample twice
-    # Every sample but the order's last 4, which no full global batch of 8 holds.
-    assert set(seen) == set(epoch_order(SAMPLES, 0, 0)[:-4])
+    # Every sample of the epoch exactly once over both parts: the 4 that fill no global
+    # batch of 8 at 2 ranks are trained in each rank's last micro-batch of 6.
+    assert seen == Counter(range(SAMPLES))
     metrics = read_metrics(out)
     assert [(m["epoch"], m["world_size"], m["global_batch"]) for m in metrics] == [(1, 2, 8)]
     assert "partial" not in metrics[0]  # the whole epoch's row replaced the stopped part's

@@ -5,7 +5,6 @@ workers, no per-image Python on the GPU, no copy of images across PCIe per step.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -22,6 +21,7 @@ from ddpcli.data.augment import (
     resized_crop_boxes,
 )
 from ddpcli.data.autoaugment import auto_augment_images
+from ddpcli.data.resharding import split_in_batches
 from ddpcli.data.sets import ImageSet
 
 
@@ -29,7 +29,8 @@ class DeviceResidentBatches:
     """Batches of an in-memory ImageSet, on `device`: gather, augmentation (`rrc`: one
     batched resample of each image's box; `crop-flip`: crop with padding and flip) and
     normalisation done for the whole batch at once. `drop_last` (training) leaves out the
-    last, partial batch, as DataLoader's drop_last does."""
+    last, partial batch, as DataLoader's drop_last does; `batch_sizes`, where given, are
+    the batches' lengths instead (a re-dealt epoch's rest: ddpcli.data.resharding)."""
 
     def __init__(
         self,
@@ -46,6 +47,7 @@ class DeviceResidentBatches:
         drop_last: bool = False,
         image_size: int | None = None,
         auto_augment: Any = None,
+        batch_sizes: list[int] | None = None,
     ):
         """`image_size`: the side of the batches, where the set holds its images at another
         (image folders kept whole for `rrc`, --train-crop-size); by default the set's own.
@@ -61,7 +63,9 @@ class DeviceResidentBatches:
         self.augment = augment
         self.seed, self.epoch = seed, epoch
         self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
-        self.drop_last = drop_last
+        if batch_sizes is None:
+            batch_sizes = split_in_batches(len(indices), batch_size, drop_last)
+        self.batch_sizes = batch_sizes
         self.auto_augment = auto_augment
         # Everything a batch needs from the host crosses once per epoch, here. A per-batch
         # copy of pageable memory waits for the whole device stream, so the CPU could never
@@ -82,23 +86,23 @@ class DeviceResidentBatches:
         return box_sampling_maps(boxes, heights, widths).to(self.device)
 
     def __len__(self) -> int:
-        if self.drop_last:
-            return len(self.indices) // self.batch_size
-        return math.ceil(len(self.indices) / self.batch_size)
+        return len(self.batch_sizes)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        for start in range(0, len(self) * self.batch_size, self.batch_size):
-            keys = self.indices[start : start + self.batch_size]
-            batch = self.rows[start : start + self.batch_size]
+        end = 0
+        for length in self.batch_sizes:
+            start, end = end, end + length
+            keys = self.indices[start:end]
+            batch = self.rows[start:end]
             images = self.images[batch]
             if self.crop_maps is not None:
-                maps = self.crop_maps[start : start + self.batch_size]
+                maps = self.crop_maps[start:end]
                 images = resample_with_maps(images, maps, self.image_size)
             elif self.augment == "crop-flip":
                 images = self._crop_and_flip(images, keys)
             if self.auto_augment is not None:  # torchvision's policies take uint8 pixels
                 pixels = images.round().clamp_(0, 255).to(torch.uint8)
-                cpu_keys = self.cpu_keys[start : start + self.batch_size]
+                cpu_keys = self.cpu_keys[start:end]
                 images = auto_augment_images(
                     pixels, cpu_keys, self.seed, self.epoch, self.auto_augment
                 )

@@ -32,10 +32,10 @@ def erase_images(
 
 class ErasedBatches:
     """Training batches with random erasing, each image keyed by its entry in KEYS (the
-    epoch's keys for this rank, in batch order)."""
+    epoch's keys for this rank, in batch order; each batch takes as many as it holds)."""
 
-    def __init__(self, batches, keys: list[int], batch_size: int, seed: int, epoch: int, p: float):
-        self.batches, self.keys, self.batch_size = batches, keys, batch_size
+    def __init__(self, batches, keys: list[int], seed: int, epoch: int, p: float):
+        self.batches, self.keys = batches, keys
         self.seed, self.epoch, self.probability = seed, epoch, p
 
     def __len__(self) -> int:
@@ -43,9 +43,10 @@ class ErasedBatches:
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         batches: Iterable[tuple[torch.Tensor, torch.Tensor]] = self.batches
-        for position, (images, labels) in enumerate(batches):
-            start = position * self.batch_size
-            keys = torch.tensor(self.keys[start : start + len(labels)])
+        end = 0
+        for images, labels in batches:
+            start, end = end, end + len(labels)
+            keys = torch.tensor(self.keys[start:end])
             erased = erase_images(images, keys, self.seed, self.epoch, self.probability)
             yield erased.contiguous(memory_format=suggested_format(images)), labels
 

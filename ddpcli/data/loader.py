@@ -15,6 +15,7 @@ import torch
 from ddpcli.data.augment import Augment, crop_and_flip_one, crop_box_one, resized_crop_one
 from ddpcli.data.autoaugment import auto_augment_images
 from ddpcli.data.decode import read_resized_crop, read_rgb, read_rgb_at_least
+from ddpcli.data.resharding import split_in_batches
 from ddpcli.data.sets import ImageSet, Sample, centre_view_at, resize_side
 
 
@@ -125,37 +126,43 @@ class FolderDataset(KeyedImages):
         return read_resized_crop(path, box_for, self.crop_size), label
 
 
-class ShardSampler(torch.utils.data.Sampler):
-    """This rank's indices for one epoch, as (index, epoch) keys. It lives in the main
-    process, so a persistent DataLoader picks up the new shard at each `iter()`."""
+class ShardBatches(torch.utils.data.Sampler):
+    """This rank's batches for one epoch, as lists of (index, epoch) keys. It lives in the
+    main process, so a persistent DataLoader picks up the new shard at each `iter()`; the
+    batches' lengths come with the shard (a re-dealt epoch's last one is longer)."""
 
     def __init__(self):
         self.indices: list[int] = []
+        self.batch_sizes: list[int] = []
         self.epoch = 0
 
-    def set_shard(self, indices: list[int], epoch: int) -> None:
-        self.indices, self.epoch = list(indices), epoch
+    def set_shard(self, indices: list[int], epoch: int, batch_sizes: list[int]) -> None:
+        self.indices, self.epoch, self.batch_sizes = list(indices), epoch, list(batch_sizes)
 
     def __iter__(self):
-        epoch = self.epoch
-        return iter([(index, epoch) for index in self.indices])
+        epoch, end = self.epoch, 0
+        batches = []
+        for length in self.batch_sizes:
+            start, end = end, end + length
+            batches.append([(index, epoch) for index in self.indices[start:end]])
+        return iter(batches)
 
     def __len__(self) -> int:
-        return len(self.indices)
+        return len(self.batch_sizes)
 
 
 class LoaderBatches:
     """One DataLoader for the whole run: workers start once and persist across epochs,
     pinned memory, prefetching and non-blocking copies; normalisation on the device.
-    `drop_last` (training) leaves out a shard's last, partial batch."""
+    `drop_last` (training) leaves out a shard's last, partial batch, unless the epoch
+    names its batches' lengths (for_epoch)."""
 
     def __init__(self, dataset, batch_size, device, mean, std, workers, channels_last, drop_last):
-        self.sampler = ShardSampler()
+        self.batches = ShardBatches()
+        self.batch_size, self.drop_last = batch_size, drop_last
         self.loader = torch.utils.data.DataLoader(
             dataset,
-            batch_size=batch_size,
-            sampler=self.sampler,
-            drop_last=drop_last,
+            batch_sampler=self.batches,
             num_workers=workers,
             pin_memory=device.type == "cuda",
             persistent_workers=workers > 0,
@@ -166,8 +173,12 @@ class LoaderBatches:
         self.std = torch.tensor(std, device=device).view(1, 3, 1, 1)
         self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
 
-    def for_epoch(self, indices: list[int], epoch: int) -> LoaderBatches:
-        self.sampler.set_shard(indices, epoch)
+    def for_epoch(
+        self, indices: list[int], epoch: int, batch_sizes: list[int] | None = None
+    ) -> LoaderBatches:
+        if batch_sizes is None:
+            batch_sizes = split_in_batches(len(indices), self.batch_size, self.drop_last)
+        self.batches.set_shard(indices, epoch, batch_sizes)
         return self
 
     def __len__(self) -> int:

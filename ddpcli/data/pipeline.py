@@ -2,8 +2,10 @@
 they come from. Training is sharded exactly as DistributedSampler shards it (`set_epoch`
 each epoch), in full batches only: a shard's last, partial batch is left out (as timm
 does), so no step runs on a handful of images and BatchNorm always sees a batch; the
-order changes every epoch, so no image is always the one left out. Validation is strided
-and unpadded, so every sample is counted exactly once.
+order changes every epoch, so no image is always the one left out. The rest of an epoch
+re-dealt at a new world is the exception: its tail is folded into each rank's last batch
+(ddpcli.data.resharding). Validation is strided and unpadded, so every sample is counted
+exactly once.
 """
 
 from __future__ import annotations
@@ -31,7 +33,15 @@ from ddpcli.data.loader import (
     default_workers,
 )
 from ddpcli.data.ra_sampler import repeated_shard
-from ddpcli.data.resharding import epoch_order, left_out, remaining_shard, remaining_steps
+from ddpcli.data.resharding import (
+    LEAST_BATCH,
+    epoch_order,
+    left_out,
+    remaining_batch_sizes,
+    remaining_shard,
+    remaining_steps,
+    split_in_batches,
+)
 from ddpcli.data.sets import (
     FolderSplits,
     ImageSet,
@@ -77,20 +87,22 @@ def channel_stats(images: torch.Tensor) -> tuple[list[float], list[float]]:
 
 class TracedBatches:
     """Batches that append each batch's sample indices to a file as they are handed out
-    (DDPCLI_TRACE_SAMPLES): a record of exactly what this rank trained on."""
+    (DDPCLI_TRACE_SAMPLES): a record of exactly what this rank trained on. INDICES: the
+    epoch's keys for this rank in batch order; each batch takes as many as it has labels."""
 
-    def __init__(self, batches, indices: list[int], batch_size: int, path: Path, epoch: int):
-        self.batches, self.indices, self.batch_size = batches, indices, batch_size
+    def __init__(self, batches, indices: list[int], path: Path, epoch: int):
+        self.batches, self.indices = batches, indices
         self.path, self.epoch = path, epoch
 
     def __len__(self) -> int:
         return len(self.batches)
 
     def __iter__(self):
+        end = 0
         with open(self.path, "a") as handle:
-            for position, batch in enumerate(self.batches):
-                start = position * self.batch_size
-                chunk = self.indices[start : start + self.batch_size]
+            for batch in self.batches:
+                start, end = end, end + len(batch[1])
+                chunk = self.indices[start:end]
                 handle.write(json.dumps({"epoch": self.epoch, "indices": chunk}) + "\n")
                 handle.flush()
                 yield batch
@@ -249,43 +261,60 @@ class DataPipeline:
         return f"{train} / {self.val_size} val images"
 
     def describe_rest(self, epoch: int, start: int) -> str:
-        """`epoch 1: 36 of 96 samples trained before; the other 60 dealt over 2 ranks, ...`."""
+        """`epoch 1: 36 of 96 samples trained before the resume; the other 60 dealt over 2
+        ranks, 7 batches of 4 each, the last of them 6 (the tail folded in)`."""
         world, batch, size = self.ctx.world_size, self.cfg.per_gpu_batch, self.train_size
-        steps, dropped = self.steps_per_epoch(start), left_out(size, start, world, batch)
-        line = (
+        head = (
             f"epoch {epoch + 1}: {start} of {size} samples trained before the resume; the other "
-            f"{size - start} dealt over {world} ranks, {steps} batch(es) of {batch} each"
+            f"{size - start}"
         )
-        if dropped:
-            line += (
-                f"; the last {dropped} left out (less than a global batch of {batch * world}, "
-                "as an epoch's last partial batch always is)"
+        if left_out(size, start, world, batch):
+            return (
+                f"{head} left out (too few for a batch of {min(batch, LEAST_BATCH)} on each of "
+                f"{world} ranks, the least a training batch holds)"
             )
+        last_sizes = sorted(
+            {remaining_batch_sizes(size, start, world, rank, batch)[-1] for rank in range(world)}
+        )
+        last = " or ".join(map(str, last_sizes))
+        steps = self.steps_per_epoch(start)
+        if steps == 1:
+            return f"{head} dealt over {world} ranks, one batch of {last} each"
+        line = f"{head} dealt over {world} ranks, {steps} batches of {batch} each"
+        if last_sizes != [batch]:
+            line += f", the last of them {last} (the tail folded in)"
         return line
 
     def train_batches(self, epoch: int, skip_batches: int = 0, start: int = 0):
         """The epoch's order depends only on seed and epoch; a resume skips by position, or
         (START > 0) deals the rest of the order from that global sample offset."""
-        indices = self.epoch_keys(epoch, start)[skip_batches * self.cfg.per_gpu_batch :]
+        keys = self.epoch_keys(epoch, start)
+        sizes = self.train_batch_sizes(len(keys), start)
+        indices, sizes = keys[sum(sizes[:skip_batches]) :], sizes[skip_batches:]
         if self.device_resident:
             batches = self._device_batches(
-                self.train_set, indices, self.augment, epoch, True, self.auto_augment
+                self.train_set, indices, self.augment, epoch, True, self.auto_augment, sizes
             )
         else:
-            batches = self.train_loader.for_epoch(indices, epoch)
+            batches = self.train_loader.for_epoch(indices, epoch, sizes)
         if self.cfg.random_erase > 0:
-            batches = ErasedBatches(
-                batches, indices, self.cfg.per_gpu_batch, self.cfg.seed, epoch,
-                self.cfg.random_erase,
-            )  # fmt: skip
+            batches = ErasedBatches(batches, indices, self.cfg.seed, epoch, self.cfg.random_erase)
         if self.trace_file:
-            batches = TracedBatches(
-                batches, indices, self.cfg.per_gpu_batch, self.trace_file, epoch
-            )
+            batches = TracedBatches(batches, indices, self.trace_file, epoch)
         slow = self.cfg.slow_data
         if slow is not None and slow[0] == self.ctx.rank:
             batches = SlowedBatches(batches, slow[1])
         return batches
+
+    def train_batch_sizes(self, keys: int, start: int) -> list[int]:
+        """The lengths of this rank's micro-batches of its KEYS for the epoch: full batches,
+        the last partial one dropped; or (START > 0) the re-dealt rest's, the tail folded
+        into the last (ddpcli.data.resharding)."""
+        batch = self.cfg.per_gpu_batch
+        if start:
+            world, rank = self.ctx.world_size, self.ctx.rank
+            return remaining_batch_sizes(self.train_size, start, world, rank, batch)
+        return split_in_batches(keys, batch, drop_last=True)
 
     def epoch_keys(self, epoch: int, start: int = 0) -> list[int]:
         """This rank's sample keys for EPOCH: DistributedSampler's shard, or with --ra-reps
@@ -315,9 +344,10 @@ class DataPipeline:
         epoch: int,
         drop_last: bool,
         auto_augment=None,
+        batch_sizes: list[int] | None = None,
     ):
         return DeviceResidentBatches(
             image_set, indices, self.cfg.per_gpu_batch, self.ctx.device, self.mean, self.std,
             augment, self.cfg.seed, epoch, self.channels_last, drop_last, self.crop_size,
-            auto_augment,
+            auto_augment, batch_sizes,
         )  # fmt: skip

@@ -8,10 +8,19 @@ records. A resume at another world (or another per-process batch) deals the posi
 there to the end of the order to its own ranks the same way, each to exactly one rank, so
 no sample of the interrupted epoch is trained twice.
 
-Only full global batches are trained (an epoch's last, partial batch never is, see
-ddpcli.data.pipeline): what is left of the epoch after the last full one, fewer than
-B x W samples, is left out, and the resume's header says how many. No padding either: a
-repeated sample would be trained twice.
+The re-dealt rest is trained to the end of the set, none of it left out: each rank's
+micro-batches are full but its last, which also takes the rank's share of what no full
+global batch holds (B to 2B - 1 keys, plus one on some ranks). Every rank still runs the
+same number of micro-batches, as DDP needs. A rest shorter than one global batch is one
+micro-batch of what each rank holds; the one exception: when some rank would hold fewer
+than 2 samples (BatchNorm's least, in training), that rest is left out, and the resume's
+header says so. The uninterrupted epoch may have dropped its own last, partial
+global batch (ddpcli.data.pipeline); the re-dealt one trains those few instead: a
+checkpoint does not know the world the epoch began at, and the set's end is the same for
+every world. No padding either: a repeated sample would be trained twice.
+
+A mid-rest checkpoint always falls before the last micro-batch, so its offset is still
+start + k x B x W: the folded tail changes only where the rest ends.
 """
 
 from __future__ import annotations
@@ -32,27 +41,61 @@ def epoch_order(size: int, seed: int, epoch: int, reps: int = 1) -> list[int]:
 
 
 def samples_trained(start: int, batch_in_epoch: int, per_gpu_batch: int, world_size: int) -> int:
-    """The global sample offset after BATCH_IN_EPOCH micro-batches at this world, dealt from
-    position START of the epoch's order (0 unless a resume re-dealt the epoch)."""
+    """The global sample offset after BATCH_IN_EPOCH full micro-batches at this world, dealt
+    from position START of the epoch's order (0 unless a resume re-dealt the epoch). Inside
+    a re-dealt rest only its last micro-batch is longer, and no checkpoint falls after it."""
     return start + batch_in_epoch * per_gpu_batch * world_size
 
 
+# BatchNorm in training needs 2 values per channel: a micro-batch of 1 would fail the step.
+LEAST_BATCH = 2
+
+
 def remaining_steps(size: int, start: int, world_size: int, per_gpu_batch: int) -> int:
-    """Full micro-batches each rank gets when the order's positions from START on are dealt
-    over WORLD_SIZE ranks: the same on every rank, or DDP would wait on a missing one."""
-    return (size - start) // world_size // per_gpu_batch
+    """Micro-batches each rank gets when the order's positions from START on are dealt over
+    WORLD_SIZE ranks: the same on every rank, or DDP would wait on a missing one. The tail
+    folds into the last; a rest shorter than one global batch is one micro-batch, or none
+    when a rank would hold fewer than LEAST_BATCH samples."""
+    least_share = (size - start) // world_size  # every rank holds this many, some one more
+    full = least_share // per_gpu_batch
+    if full:
+        return full
+    return 1 if least_share >= LEAST_BATCH else 0
+
+
+def remaining_batch_sizes(
+    size: int, start: int, world_size: int, rank: int, per_gpu_batch: int
+) -> list[int]:
+    """This rank's micro-batch lengths for the rest of the epoch: PER_GPU_BATCH each, but the
+    last, which holds all the rank's keys the others leave. Ranks' last micro-batches may
+    differ by one sample: DDP averages each rank's mean gradient, so a sample there weighs a
+    little less than one on a shorter rank, and no sample is dropped or repeated for it."""
+    steps = remaining_steps(size, start, world_size, per_gpu_batch)
+    if not steps:
+        return []
+    share = len(range(start + rank, size, world_size))
+    return [per_gpu_batch] * (steps - 1) + [share - (steps - 1) * per_gpu_batch]
 
 
 def remaining_shard(
     order: list[int], start: int, world_size: int, rank: int, per_gpu_batch: int
 ) -> list[int]:
     """This rank's keys for the rest of the epoch: positions START + RANK, START + RANK + W,
-    ... of ORDER, as many as fill its full micro-batches."""
-    steps = remaining_steps(len(order), start, world_size, per_gpu_batch)
-    return order[start + rank :: world_size][: steps * per_gpu_batch]
+    ... of ORDER, all of them (or none, see remaining_steps)."""
+    sizes = remaining_batch_sizes(len(order), start, world_size, rank, per_gpu_batch)
+    return order[start + rank :: world_size][: sum(sizes)]
 
 
 def left_out(size: int, start: int, world_size: int, per_gpu_batch: int) -> int:
-    """Samples after START that no full global batch holds: fewer than one global batch."""
-    trained = remaining_steps(size, start, world_size, per_gpu_batch) * per_gpu_batch * world_size
-    return size - start - trained
+    """Samples after START that no rank trains: all of them when they fill no global batch
+    and some rank would hold fewer than LEAST_BATCH, else none."""
+    return 0 if remaining_steps(size, start, world_size, per_gpu_batch) else size - start
+
+
+def split_in_batches(count: int, batch_size: int, drop_last: bool) -> list[int]:
+    """The lengths of COUNT samples' batches: full ones, then the partial rest unless
+    DROP_LAST (training's rule, as DataLoader's drop_last)."""
+    lengths = [batch_size] * (count // batch_size)
+    if count % batch_size and not drop_last:
+        lengths.append(count % batch_size)
+    return lengths
