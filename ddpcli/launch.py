@@ -474,20 +474,23 @@ def _launch_elastic(cfg: TrainConfig, debug: bool) -> dict[str, Any]:
 
 def read_stop_record(summary_file: Path) -> dict[str, Any] | None:
     """Rank 0's summary when the run stopped early (Ctrl-C, a preemption), else None."""
-    try:
-        summary = json.loads(summary_file.read_text())
-    except (OSError, ValueError):
-        return None
-    return summary if isinstance(summary, dict) and summary.get("stopped") else None
+    record = read_rank0_record(summary_file)
+    return record if record is not None and record.get("stopped") else None
 
 
 def read_agreed_stop(record_file: Path) -> dict[str, Any] | None:
     """Rank 0's word on a stop every rank found together (a non-finite loss), else None."""
+    record = read_rank0_record(record_file)
+    return record if record is not None and "failed" in record else None
+
+
+def read_rank0_record(path: Path) -> dict[str, Any] | None:
+    """The JSON object rank 0 left for the launcher; None if missing, torn or not one."""
     try:
-        record = json.loads(record_file.read_text())
+        record = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    return record if isinstance(record, dict) and "failed" in record else None
+    return record if isinstance(record, dict) else None
 
 
 def train_environment(cfg: TrainConfig) -> dict[str, str]:

@@ -53,13 +53,10 @@ def collect_then_freeze() -> None:
 
 
 def exit_with_error(message: str, exit_code: int) -> NoReturn:
-    """A rank's last word: one line, then out at once, skipping atexit hooks that could
-    wait on dead peers. The agent now stops the other ranks with SIGTERM, maybe this one
-    too: no stack dump for that."""
-    faulthandler.unregister(signal.SIGTERM)
+    """A rank's last word: one line, then out at once (end_quietly)."""
+    faulthandler.unregister(signal.SIGTERM)  # before the line: no stack dump while it prints
     ui.error(message)
-    sys.stderr.flush()
-    os._exit(exit_code)
+    end_quietly(exit_code)
 
 
 # Beside a launch's private worker config: rank 0's word on a stop every rank found together.
@@ -67,7 +64,8 @@ AGREED_STOP_FILE = "agreed-stop.json"
 
 
 def end_quietly(exit_code: int) -> NoReturn:
-    """Out at once without a word: another rank says what ended the job."""
+    """Out at once, skipping atexit hooks that could wait on dead peers. The agent now stops
+    the other ranks with SIGTERM, maybe this one too: no stack dump for that."""
     faulthandler.unregister(signal.SIGTERM)
     sys.stderr.flush()
     os._exit(exit_code)

@@ -236,7 +236,9 @@ class Trainer:
         """The optimizer steps this run's global batch takes to where the restored epoch
         stands, so that warm-up and cosine end where the run ends after a world change."""
         state, cfg = self.state, self.cfg
-        done = state.epoch_start + state.batch_in_epoch * cfg.per_gpu_batch * self.ctx.world_size
+        done = samples_trained(
+            state.epoch_start, state.batch_in_epoch, cfg.per_gpu_batch, self.ctx.world_size
+        )
         return state.epoch * self.steps_per_epoch + round(done / self.global_batch)
 
     def announce_resume(self, payload: dict[str, Any], path: Path) -> None:

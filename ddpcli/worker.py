@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
-import os
 import signal
 import sys
 from pathlib import Path
@@ -170,9 +169,7 @@ def end_interrupted(stop: BaseException | None, env: LauncherEnv, cfg: TrainConf
     if env.rank == 0 and isinstance(stop, Interrupted):
         with contextlib.suppress(OSError):
             (cfg.resolved_out / SUMMARY_FILE).write_text(ui.json_text(stop.record) + "\n")
-    faulthandler.unregister(signal.SIGTERM)
-    sys.stderr.flush()
-    os._exit(INTERRUPTED)
+    end_quietly(INTERRUPTED)
 
 
 @record

@@ -140,6 +140,17 @@ class LiveProcess:
             self.process.wait(timeout=30)
 
 
+def ctrl_c_after(run: LiveProcess, text: str, timeout: float = 180) -> int:
+    """Once RUN prints TEXT, SIGINT to its whole process group (what a terminal's Ctrl-C
+    does); its exit code. The group is killed whatever happens."""
+    try:
+        run.wait_for(text, timeout=timeout)
+        os.killpg(run.process.pid, signal.SIGINT)
+        return run.finish(timeout=90)
+    finally:
+        run.kill()
+
+
 def has_cuda() -> bool:
     import torch
 

@@ -4,13 +4,11 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import LiveProcess, clean_env, run_cli
+from conftest import LiveProcess, clean_env, ctrl_c_after, run_cli
 from typer.testing import CliRunner
 
 from ddpcli.cli import app
@@ -172,12 +170,7 @@ def test_ctrl_c_leaves_readable_steps_and_a_picture(tmp_path):
     out = tmp_path / "run"
     args = [*TINY, "--synthetic-size", "8192", "--log-every", "2", "--epochs", "1"]
     run = LiveProcess([sys.executable, "-m", "ddpcli", *args, "--out", str(out)], clean_env())
-    try:
-        run.wait_for("step 4/", timeout=180)
-        os.killpg(run.process.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
-        code = run.finish(timeout=90)
-    finally:
-        run.kill()
+    code = ctrl_c_after(run, "step 4/")
     # Exit 130 and one line on Ctrl-C is the contract's, and not this test's subject.
     assert code != 0, run.stderr[-3000:]
     assert [row["step"] for row in steps_of(out)][:2] == [2, 4]

@@ -1,11 +1,9 @@
 """`ddpcli train` end to end: real Gloo processes, real files."""
 
 import json
-import os
-import signal
 import sys
 
-from conftest import LiveProcess, clean_env, read_metrics, run_bounded, run_cli
+from conftest import LiveProcess, clean_env, ctrl_c_after, read_metrics, run_bounded, run_cli
 
 TINY = ["--cpu", "--arch", "tinycnn", "--image-size", "16", "--per-gpu-batch", "32"]
 
@@ -101,12 +99,7 @@ def test_ctrl_c_under_torchrun_is_said_once_for_the_job(tmp_path):
         "--epochs", "1", "--out", str(out),
     ]  # fmt: skip
     run = LiveProcess(command, clean_env())
-    try:
-        run.wait_for("step 4/", timeout=180)
-        os.killpg(run.process.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
-        run.finish(timeout=90)
-    finally:
-        run.kill()
+    ctrl_c_after(run, "step 4/")
     assert run.stderr.count("interrupted at epoch 1 step") == 1, run.stderr[-3000:]
 
 
