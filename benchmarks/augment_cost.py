@@ -22,9 +22,10 @@ import time
 
 import torch
 
-from ddpcli.data.augment import Augment, crop_and_flip_one, resized_crop_one
+from ddpcli.data.augment import crop_and_flip_one, resized_crop_one
 from ddpcli.data.device import DeviceResidentBatches
-from ddpcli.data.sets import ImageSet, centre_view, resize_side
+from ddpcli.data.layout import Augment, resize_side
+from ddpcli.data.sets import ImageSet, centre_view
 
 MEAN, STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
 CHOICES: tuple[Augment, ...] = ("rrc", "crop-flip", "none")

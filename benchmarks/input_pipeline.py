@@ -37,8 +37,8 @@ from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from ddpcli.data.layout import folder_classes, folder_samples  # noqa: E402
 from ddpcli.data.loader import FolderDataset  # noqa: E402
-from ddpcli.data.sets import folder_classes, folder_samples  # noqa: E402
 
 MEAN, STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
 

@@ -39,12 +39,19 @@ def nvidia_smi_listing() -> list[str] | None:
     return [line for line in listing.splitlines() if line.startswith("GPU ")]
 
 
+# Where a GPU driver shows itself: NVIDIA's kernel module, WSL's GPU, AMD's ROCm (whose
+# GPUs torch.cuda also counts).
+GPU_DRIVER_TRACES = ("/proc/driver/nvidia", "/dev/dxg", "/dev/kfd")
+
+
 def physical_gpu_count() -> int:
     """GPUs as nvidia-smi numbers them, regardless of CUDA_VISIBLE_DEVICES, without
     creating a CUDA context in this (launcher) process."""
     listing = nvidia_smi_listing()
     if listing is not None:
         return len(listing)
+    if not any(os.path.exists(trace) for trace in GPU_DRIVER_TRACES):
+        return 0  # no GPU driver at all: said without loading torch (seconds) to ask CUDA
     import torch
 
     return torch.cuda.device_count() if "CUDA_VISIBLE_DEVICES" not in os.environ else 0

@@ -35,7 +35,7 @@ def class_count(cfg: TrainConfig) -> int:
         return len(custom_splits(cfg).class_names)
     if cfg.dataset in BUILTIN_CLASSES:
         return BUILTIN_CLASSES[cfg.dataset]
-    from ddpcli.data.sets import check_imagefolder
+    from ddpcli.data.layout import check_imagefolder
 
     return len(check_imagefolder(cfg.resolved_data_dir))
 

@@ -14,8 +14,7 @@ from typing import Any
 from ddpcli.archs import check_arch
 from ddpcli.config import TrainConfig
 from ddpcli.config.common import elastic_rendezvous
-from ddpcli.data.augment import training_augment
-from ddpcli.data.sets import STL10_SIDE, check_data_source, resize_side
+from ddpcli.data.layout import STL10_SIDE, check_data_source, resize_side, training_augment
 from ddpcli.environments import LauncherEnv
 from ddpcli.errors import usage_error
 from ddpcli.files import folder_write_problem
@@ -55,7 +54,6 @@ def resolve_train_config(cfg: TrainConfig, launcher: LauncherEnv | None) -> Trai
         values["image_size"] = NATIVE_IMAGE_SIZE.get(cfg.dataset, folder_size)
     values["augment"] = training_augment(cfg.augment, cfg.dataset)
     resolve_crop_sizes(values)
-    resolve_cpu_precision(values)
     values["out"] = values["out"] or default_out_dir()
     check_writable_folder(values["out"], "--out")
     if values["log_dir"] is not None:
@@ -67,6 +65,7 @@ def resolve_train_config(cfg: TrainConfig, launcher: LauncherEnv | None) -> Trai
         check_interface(cfg.ifname)
     if launcher is None or launcher.rank == 0:
         check_init_file(cfg)
+    resolve_cpu_precision(values)  # asks torch: after the checks that need only the disk
     values["world_from"] = world_origin(cfg, launcher)
     resolved = TrainConfig(**values)
     # What --dry-run shows; every worker computes it again from the world it joined.

@@ -14,7 +14,7 @@ from PIL import Image
 from test_cli import help_lines, option_row
 from test_speed_paths import assert_same_batches, collect, context, pipeline, tiny_config
 
-from ddpcli.data import augment, device, sets
+from ddpcli.data import augment, device, layout, sets
 
 # --- The boxes: torchvision's distribution, a pure function of (seed, epoch, index) -----------
 
@@ -119,7 +119,7 @@ def ramp_image(height: int, width: int, shade: int = 1) -> torch.Tensor:
 
 def test_batched_resample_of_a_whole_view_matches_the_crop_of_the_decoded_image():
     shapes = [(30, 40), (44, 30), (32, 32), (20, 60), (375, 500)]
-    size, side = 16, sets.resize_side(16)
+    size, side = 16, layout.resize_side(16)
     indices = torch.arange(len(shapes))
     decoded = [ramp_image(h, w) for h, w in shapes]
     stored = torch.stack([sets.whole_view(image, size) for image in decoded])
@@ -156,7 +156,7 @@ def test_loader_and_device_paths_crop_the_same_boxes_of_an_image_folder(tmp_path
     ctx = context()
     device_path, loader_path = pipeline(cfg, ctx, True), pipeline(cfg, ctx, False)
     assert device_path.augment == loader_path.augment == "rrc"  # auto, for image folders
-    assert device_path.train_set.images.shape[-1] == sets.resize_side(16) == 18
+    assert device_path.train_set.images.shape[-1] == layout.resize_side(16) == 18
     assert device_path.train_set.sizes.tolist()[:4] == [[30, 40], [44, 30], [32, 32], [20, 60]]
     mean, std = device_path.mean, device_path.std
     for epoch in (0, 1):
@@ -188,17 +188,17 @@ def test_validation_resizes_the_shorter_side_then_crops_the_centre():
     image = ramp_image(375, 500)
     reference = v2.Compose([v2.Resize(256, antialias=True), v2.CenterCrop(224)])
     assert torch.equal(sets.centre_view(image, 224), reference(image))
-    assert sets.resize_side(224) == 256
+    assert layout.resize_side(224) == 256
 
 
 # --- --augment: auto, none, crop-flip -------------------------------------------------------
 
 
 def test_auto_is_rrc_for_image_folders_and_crop_flip_for_in_memory_sets():
-    assert augment.training_augment("auto", "imagefolder") == "rrc"
-    assert augment.training_augment("auto", "synthetic") == "crop-flip"
-    assert augment.training_augment("auto", "stl10") == "crop-flip"
-    assert augment.training_augment("none", "imagefolder") == "none"
+    assert layout.training_augment("auto", "imagefolder") == "rrc"
+    assert layout.training_augment("auto", "synthetic") == "crop-flip"
+    assert layout.training_augment("auto", "stl10") == "crop-flip"
+    assert layout.training_augment("none", "imagefolder") == "none"
 
 
 @pytest.mark.parametrize("choice", ["none", "crop-flip"])
@@ -211,7 +211,7 @@ def test_image_folder_without_rrc_keeps_the_paths_bit_identical(tmp_path, choice
     ctx = context()
     device_path, loader_path = pipeline(cfg, ctx, True), pipeline(cfg, ctx, False)
     # Training starts from validation's view, held at the training size.
-    samples = sets.folder_samples(tmp_path / "imgs" / "train", ["a", "b"])
+    samples = layout.folder_samples(tmp_path / "imgs" / "train", ["a", "b"])
     views = torch.stack([sets.centre_view(sets.read_rgb(path), 16) for path, _ in samples])
     assert torch.equal(device_path.train_set.images, views)
     assert device_path.train_set.sizes is None

@@ -15,7 +15,7 @@ from PIL import Image
 from test_data import write_image_folder
 
 from ddpcli.config import TrainConfig
-from ddpcli.data import sets
+from ddpcli.data import layout, sets
 from ddpcli.data.device import DeviceResidentBatches
 from ddpcli.data.pipeline import DataPipeline
 from ddpcli.data.sets import UnreadableImage, load_splits
@@ -47,7 +47,7 @@ def in_memory(size: int) -> sets.MemorySplits:
 
 def refusal(data_dir) -> str:
     with pytest.raises(DdpcliError) as caught:
-        sets.check_imagefolder(data_dir)
+        layout.check_imagefolder(data_dir)
     assert caught.value.exit_code == USAGE
     return caught.value.message
 
@@ -87,7 +87,7 @@ def test_images_outside_class_folders_and_an_empty_val_are_refused(tmp_path):
 def test_a_sound_layout_passes_and_its_classes_come_from_train(tmp_path):
     write_image_folder(tmp_path)
     shutil.rmtree(tmp_path / "val" / "owl")  # val may lack a class that train has
-    assert sets.check_imagefolder(tmp_path) == ["cat", "dog", "owl"]
+    assert layout.check_imagefolder(tmp_path) == ["cat", "dog", "owl"]
 
 
 # --- Every mode becomes RGB ------------------------------------------------------------------

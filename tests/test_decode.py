@@ -19,7 +19,8 @@ from ddpcli.data.decode import (
     read_rgb_at_least,
     reduce_while_decoding,
 )
-from ddpcli.data.sets import centre_view, resize_side
+from ddpcli.data.layout import resize_side
+from ddpcli.data.sets import centre_view
 
 
 def photo(seed: int, width: int = 500, height: int = 375) -> Image.Image:

@@ -16,30 +16,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal, NamedTuple
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
-
-from ddpcli.factories import is_factory_spec
-
-Augment = Literal["rrc", "crop-flip", "none"]
 
 CROP_PADDING = 4
 RRC_SCALE = (0.08, 1.0)  # of the image's area
 RRC_RATIO = (3 / 4, 4 / 3)  # width / height, drawn log-uniform
 RRC_TRIES = 10
-
-
-def training_augment(choice: str, dataset: str) -> Augment:
-    """`--augment auto`: the random-resized crop for image folders and the user's own sets
-    (photos of any size, as torchvision's and timm's references treat them), the padded
-    crop and flip for the small in-memory sets (synthetic, STL-10)."""
-    if choice == "auto":
-        return "rrc" if dataset == "imagefolder" or is_factory_spec(dataset) else "crop-flip"
-    if choice not in ("rrc", "crop-flip", "none"):
-        raise ValueError(f"unknown augmentation {choice!r}")
-    return choice  # type: ignore[return-value]  # checked just above
 
 
 # --- Draws: splitmix64 of (seed, epoch, index) ------------------------------------------

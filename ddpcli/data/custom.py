@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from ddpcli.config import TrainConfig
-from ddpcli.data.augment import Augment
+from ddpcli.data.layout import Augment
 from ddpcli.data.loader import KeyedImages
 from ddpcli.data.sets import centre_view
 from ddpcli.errors import USAGE, DdpcliError, first_line, usage_error

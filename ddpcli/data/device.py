@@ -13,7 +13,6 @@ import torch.nn.functional as F
 
 from ddpcli.data.augment import (
     CROP_PADDING,
-    Augment,
     augmentation_draws,
     box_sampling_maps,
     crop_padded,
@@ -21,6 +20,7 @@ from ddpcli.data.augment import (
     resized_crop_boxes,
 )
 from ddpcli.data.autoaugment import auto_augment_images
+from ddpcli.data.layout import Augment
 from ddpcli.data.resharding import split_in_batches
 from ddpcli.data.sets import ImageSet
 

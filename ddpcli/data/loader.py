@@ -12,11 +12,12 @@ from typing import Any
 
 import torch
 
-from ddpcli.data.augment import Augment, crop_and_flip_one, crop_box_one, resized_crop_one
+from ddpcli.data.augment import crop_and_flip_one, crop_box_one, resized_crop_one
 from ddpcli.data.autoaugment import auto_augment_images
 from ddpcli.data.decode import read_resized_crop, read_rgb, read_rgb_at_least
+from ddpcli.data.layout import Augment, Sample, resize_side
 from ddpcli.data.resharding import split_in_batches
-from ddpcli.data.sets import ImageSet, Sample, centre_view_at, resize_side
+from ddpcli.data.sets import ImageSet, centre_view_at
 
 
 class KeyedImages(torch.utils.data.Dataset, abc.ABC):

@@ -20,11 +20,11 @@ import torch
 from torch.utils.data import DistributedSampler
 
 from ddpcli.config import TrainConfig
-from ddpcli.data.augment import Augment, training_augment
 from ddpcli.data.autoaugment import policy_transform
 from ddpcli.data.custom import CustomDataset, CustomSplits
 from ddpcli.data.device import DeviceResidentBatches
 from ddpcli.data.erasing import ErasedBatches
+from ddpcli.data.layout import Augment, resize_side, training_augment
 from ddpcli.data.loader import (
     FolderDataset,
     KeyedImages,
@@ -47,7 +47,6 @@ from ddpcli.data.sets import (
     ImageSet,
     MemorySplits,
     Splits,
-    resize_side,
     view_set,
 )
 from ddpcli.dist import DistContext
