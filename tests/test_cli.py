@@ -19,13 +19,13 @@ COMMANDS = [
 ]
 
 
-def run_importing(*args: str) -> tuple[subprocess.CompletedProcess, list[str]]:
+def run_importing(*args: str, exit_code: int = 0) -> tuple[subprocess.CompletedProcess, list[str]]:
     """Run `python -m ddpcli ARGS`; return the result and every module it imported."""
     result = subprocess.run(
         [sys.executable, "-X", "importtime", "-m", "ddpcli", *args],
         capture_output=True, text=True, timeout=60, cwd=REPO,
     )  # fmt: skip
-    assert result.returncode == 0, result.stderr
+    assert result.returncode == exit_code, result.stderr
     return result, [line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines()]
 
 
@@ -35,6 +35,21 @@ def test_help_answers_without_importing_torch(args):
     assert "torch" not in imported
     assert "matplotlib" not in imported and "plotext" not in imported
     assert "Usage" in result.stdout
+
+
+@pytest.mark.parametrize(
+    "args,named",
+    [
+        (["--epochs", "0"], "invalid --epochs"),
+        (["--dataset", "imagefolder", "--data-dir", "/no/such/folder"], "invalid --data-dir"),
+        (["--cpu", "--ifname", "no-such-nic0"], "invalid --ifname"),
+    ],
+)
+def test_bad_train_input_is_answered_before_torch_loads(args, named):
+    """A typo costs a fraction of a second, not the seconds torch takes to load."""
+    result, imported = run_importing("train", *args, exit_code=2)
+    assert "torch" not in imported
+    assert named in result.stderr and "Traceback" not in result.stderr
 
 
 def test_help_lists_the_four_commands():
