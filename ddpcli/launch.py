@@ -5,6 +5,7 @@ restarts and per-rank error reports.
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import os
@@ -31,6 +32,7 @@ from ddpcli.errors import (
     runtime_error,
     usage_error,
 )
+from ddpcli.fork import every_failure_reported, start_forked_worker
 from ddpcli.machine import cpu_count
 from ddpcli.membership import advertised_address, c10d_settings
 from ddpcli.process import AGREED_STOP_FILE, freeze_imported_objects
@@ -144,6 +146,9 @@ class WorkerJob:
     module: str  # run as `python -m module *args` in every worker
     args: list[str]
     nproc_per_node: int
+    # Fork the workers from this process, which imports MODULE once for all of them, instead
+    # of starting an interpreter each (ddpcli.fork). Only for jobs that never use CUDA.
+    fork: bool = False
     nnodes: int = 1
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
@@ -230,7 +235,7 @@ def launch_config(job: WorkerJob, scratch: str) -> LaunchConfig:
         rdzv_configs=rdzv_configs,
         max_restarts=job.max_restarts,
         monitor_interval=0.1,
-        start_method="spawn",
+        start_method="fork" if job.fork else "spawn",
         logs_specs=logs,
         log_line_prefix_template=prefix,
         # SIGUSR1 too (SLURM's `--signal=USR1@90`): else it would end the agent, not reach them.
@@ -273,7 +278,14 @@ def run_workers(job: WorkerJob, debug: bool = False) -> None:
     try:
         with tempfile.TemporaryDirectory(prefix="ddpcli-agent-") as scratch:
             config = launch_config(job, scratch)
-            elastic_launch(config, sys.executable)("-m", job.module, *job.args)
+            if job.fork:
+                importlib.import_module(job.module)  # once, here, for every worker
+                sys.stdout.flush()  # else each child would print what is still buffered
+                sys.stderr.flush()
+                with every_failure_reported():
+                    elastic_launch(config, start_forked_worker)(job.module, *job.args)
+            else:
+                elastic_launch(config, sys.executable)("-m", job.module, *job.args)
     except ChildFailedError as failure:
         collective_timeout = job.timeout_s if job.timeout_bounds_collectives else None
         raise describe_failure(failure, job.log_dir, collective_timeout) from None
@@ -441,6 +453,7 @@ def _launch_elastic(cfg: TrainConfig, debug: bool) -> dict[str, Any]:
             module=WORKER_MODULE,
             args=[str(request), str(out)],  # the second names the run for `ps`, unread
             nproc_per_node=cfg.nproc_per_node,
+            fork=not cfg.uses_gpus,
             **job_membership(cfg),
             env={**train_environment(cfg), **({"DDPCLI_DEBUG": "1"} if debug else {})},
             log_dir=str(cfg.log_dir) if cfg.log_dir else None,

@@ -55,6 +55,9 @@ class GlooSyncBatchNorm(nn.modules.batchnorm._BatchNorm):
         if not (self.training and dist.is_initialized()):
             return super().forward(input)
         group = self.process_group or dist.group.WORLD
+        # Statistics in float32 under bf16 autocast, as torch's BatchNorm keeps them (and its
+        # running buffers); the output in the input's precision, as torch's.
+        given, input = input, input.float()
         channels = input.shape[1]
         dims = [0, *range(2, input.ndim)]
         shape = [1, channels] + [1] * (input.ndim - 2)
@@ -68,7 +71,7 @@ class GlooSyncBatchNorm(nn.modules.batchnorm._BatchNorm):
         output = centred * torch.rsqrt(var + self.eps).view(shape)
         if self.affine:
             output = output * self.weight.view(shape) + self.bias.view(shape)
-        return output
+        return output.to(given.dtype)
 
     @torch.no_grad()
     def _track(self, mean: torch.Tensor, var: torch.Tensor, total: float) -> None:

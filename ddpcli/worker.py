@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import torch
+import torch._dynamo  # noqa: F401 - DDP's constructor imports it: once, in the launcher, if forked
 from torch.distributed.elastic.multiprocessing.errors import get_error_handler, record
 
 from ddpcli import ui

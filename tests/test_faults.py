@@ -45,37 +45,49 @@ def proc_args(pid: str) -> list[str]:
     return (Path("/proc") / pid / "cmdline").read_bytes().decode(errors="replace").split("\0")
 
 
+def worker_rank(pid: str) -> int | None:
+    """The global rank of a ddpcli worker, else None. A forked worker names itself
+    "ddpcli rank N" (its command line is its launcher's); a worker started as a program
+    (`python -m ddpcli.worker`) carries the RANK the agent gave it in its environment."""
+    name = (Path("/proc") / pid / "comm").read_text().strip()
+    if name.startswith("ddpcli rank "):
+        return int(name.removeprefix("ddpcli rank "))
+    if "ddpcli.worker" not in proc_args(pid):
+        return None
+    environ = (Path("/proc") / pid / "environ").read_bytes().split(b"\0")
+    variables = dict(item.split(b"=", 1) for item in environ if b"=" in item)
+    return int(variables[b"RANK"])
+
+
 def child_workers(parent: int) -> dict[int, int]:
-    """Global rank -> pid of the `ddpcli.worker` processes `parent` started; the rank is
-    read from each worker's environment, as the agent set it."""
+    """Global rank -> pid of the workers `parent` started."""
     workers = {}
     for entry in Path("/proc").iterdir():
         try:
             stat = (entry / "stat").read_text()
             if int(stat.rsplit(")", 1)[1].split()[1]) != parent:
                 continue
-            if "ddpcli.worker" not in proc_args(entry.name):
-                continue
-            environ = (entry / "environ").read_bytes().split(b"\0")
-            variables = dict(item.split(b"=", 1) for item in environ if b"=" in item)
-            workers[int(variables[b"RANK"])] = int(entry.name)
+            rank = worker_rank(entry.name)
         except (OSError, ValueError, KeyError, IndexError):
             continue  # not a process, or one that just ended
+        if rank is not None:
+            workers[rank] = int(entry.name)
     return workers
 
 
 def leftover_workers(out: Path) -> list[int]:
-    """Workers of this test's run still alive: their command line names its output folder.
-    (Other test sessions on the machine run workers of their own.)"""
+    """Workers of this test's run still alive: their command line (or, forked, their
+    launcher's) names its output folder. (Other test sessions run workers of their own.)"""
     left = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
+            is_worker = worker_rank(entry.name) is not None
             args = proc_args(entry.name)
-        except OSError:
+        except (OSError, ValueError, KeyError, IndexError):
             continue
-        if "ddpcli.worker" in args and any(str(out) in arg for arg in args):
+        if is_worker and any(str(out) in arg for arg in args):
             left.append(int(entry.name))
     return left
 

@@ -195,8 +195,12 @@ def rank_main(rank, out, port):
     mine = whole[rank * 4 : rank * 4 + 4 + 4 * rank].clone().requires_grad_()  # 4 and 8 rows
     output = layer(mine)
     (output * torch.arange(4.0).view(1, 4, 1, 1)).sum().backward()
+    low = convert_sync_batchnorm(nn.Sequential(nn.BatchNorm2d(4)), torch.device("cpu"))
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # as --precision bf16 runs it
+        low_output = low(mine.detach().bfloat16())
     torch.save({"output": output.detach(), "grad": mine.grad, "state": layer.state_dict(),
-                "weight_grad": layer[0].weight.grad}, f"{out}/rank{rank}.pt")
+                "weight_grad": layer[0].weight.grad, "bf16_output": low_output.detach(),
+                "bf16_state": low.state_dict()}, f"{out}/rank{rank}.pt")
     dist.destroy_process_group()
 
 if __name__ == "__main__":
@@ -228,6 +232,17 @@ def test_sync_bn_statistics_are_those_of_the_whole_global_batch(tmp_path):
             assert torch.allclose(got["state"][name], want, atol=1e-6), name
     summed = ranks[0]["weight_grad"] + ranks[1]["weight_grad"]  # what DDP's all-reduce adds
     assert torch.allclose(summed, layer.weight.grad, atol=1e-4)
+    # Under bf16 autocast: bf16 out, float32 statistics, torch's BatchNorm's figures.
+    low = nn.BatchNorm2d(4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        low_output = low(whole.detach().bfloat16())
+    for rank, got in enumerate(ranks):
+        assert got["bf16_output"].dtype == low_output.dtype == torch.bfloat16
+        assert torch.allclose(got["bf16_output"].float(), low_output[rows[rank]].float(), atol=0.05)
+        for name in ("0.running_mean", "0.running_var"):
+            stats = got["bf16_state"][name]
+            assert stats.dtype == torch.float32
+            assert torch.allclose(stats, low.state_dict()[name.removeprefix("0.")], rtol=1e-2)
 
 
 # --- Repeated augmentation ----------------------------------------------------------------------

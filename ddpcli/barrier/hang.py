@@ -55,12 +55,18 @@ def where_rank_is(stack_file: Path) -> dict | None:
     if not stack_file.exists():
         return None
     for frames in thread_stacks(stack_file.read_text()):
-        if any(frame["function"] == "_bootstrap" for frame in frames):
+        if any(is_thread_start(frame) for frame in frames):
             continue  # a helper thread, not the rank's main line
         for frame in frames:  # most recent call first
             if "/ddpcli/" in frame["file"] and frame["function"] not in BARRIER_PLUMBING:
                 return {**frame, "code": linecache.getline(frame["file"], frame["line"]).strip()}
     return None
+
+
+def is_thread_start(frame: dict) -> bool:
+    """threading.Thread's first frame. (A forked rank's main line starts in
+    multiprocessing's Process._bootstrap, of the same name.)"""
+    return frame["function"] == "_bootstrap" and frame["file"].endswith("threading.py")
 
 
 def thread_stacks(dump: str) -> list[list[dict]]:

@@ -135,6 +135,7 @@ def launch_ranks(cfg: BarrierConfig, workdir: Path, debug: bool) -> dict:
         module=WORKER_MODULE,
         args=[str(request), str(workdir)],
         nproc_per_node=cfg.world_size,
+        fork=not cfg.uses_gpus,
         timeout_s=group_timeout_s(cfg),
         env=bench_environment(cfg, debug),
     )
