@@ -27,6 +27,12 @@ from collections.abc import Iterator
 _INHERITED_HANDLERS = (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1)
 
 
+def forks_workers(uses_gpus: bool) -> bool:
+    """Whether a job's workers are forked: CPU jobs on Linux. (macOS's system frameworks
+    are not safe to use in a forked child; Windows cannot fork.)"""
+    return not uses_gpus and sys.platform.startswith("linux")
+
+
 def start_forked_worker(module: str, *argv: str) -> None:
     """A worker's entry point: `python -m MODULE *ARGV`, in a child forked by the agent."""
     # Like the agent's program path: the terminal's Ctrl-C reaches the agent alone, which

@@ -32,7 +32,7 @@ from ddpcli.errors import (
     runtime_error,
     usage_error,
 )
-from ddpcli.fork import every_failure_reported, start_forked_worker
+from ddpcli.fork import every_failure_reported, forks_workers, start_forked_worker
 from ddpcli.machine import cpu_count
 from ddpcli.membership import advertised_address, c10d_settings
 from ddpcli.process import AGREED_STOP_FILE, freeze_imported_objects
@@ -453,7 +453,7 @@ def _launch_elastic(cfg: TrainConfig, debug: bool) -> dict[str, Any]:
             module=WORKER_MODULE,
             args=[str(request), str(out)],  # the second names the run for `ps`, unread
             nproc_per_node=cfg.nproc_per_node,
-            fork=not cfg.uses_gpus,
+            fork=forks_workers(cfg.uses_gpus),
             **job_membership(cfg),
             env={**train_environment(cfg), **({"DDPCLI_DEBUG": "1"} if debug else {})},
             log_dir=str(cfg.log_dir) if cfg.log_dir else None,

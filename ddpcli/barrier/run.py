@@ -29,6 +29,7 @@ from ddpcli.config import BarrierConfig
 from ddpcli.dist import DistContext, init_distributed, shutdown
 from ddpcli.environments import LauncherEnv, read_launcher_env
 from ddpcli.errors import DdpcliError, usage_error
+from ddpcli.fork import forks_workers
 from ddpcli.launch import WorkerJob, run_workers, worker_environment
 from ddpcli.machine import check_gpu_indices, cpu_count
 
@@ -135,7 +136,7 @@ def launch_ranks(cfg: BarrierConfig, workdir: Path, debug: bool) -> dict:
         module=WORKER_MODULE,
         args=[str(request), str(workdir)],
         nproc_per_node=cfg.world_size,
-        fork=not cfg.uses_gpus,
+        fork=forks_workers(cfg.uses_gpus),
         timeout_s=group_timeout_s(cfg),
         env=bench_environment(cfg, debug),
     )
