@@ -59,6 +59,13 @@ ALL = [
     if name not in ("randaugment", "norm-weight-decay", "fixres-matched")
     for flag in flags
 ]
+# The same without the FixRes crop: what the regularisers lose together at one resolution.
+ALL_BUT_FIXRES = [
+    flag
+    for name, flags in INGREDIENTS.items()
+    if name not in ("randaugment", "norm-weight-decay", "fixres-matched", "fixres")
+    for flag in flags
+]
 
 
 def run_ddpcli(data: Path, flags: list[str], args: argparse.Namespace, seed: int, out: Path):
@@ -119,7 +126,7 @@ def main() -> None:
     args = parser.parse_args()
     seeds = [int(seed) for seed in args.seeds.split(",")]
     small = str(max(8, round(args.size * 176 / 224)))  # the v2 recipe's 176 for 224
-    rows = dict(INGREDIENTS, all=ALL)
+    rows = dict(INGREDIENTS, all=ALL, **{"all-but-fixres": ALL_BUT_FIXRES})
     if args.only:
         rows = {name: rows[name] for name in ["baseline", *args.only.split(",")]}
     with tempfile.TemporaryDirectory() as scratch:
