@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Literal
 
 from ddpcli.config import TrainConfig
-from ddpcli.errors import usage_error
+from ddpcli.errors import DdpcliError, usage_error
 from ddpcli.factories import is_factory_spec
 
 Augment = Literal["rrc", "crop-flip", "none"]
@@ -129,6 +129,13 @@ def resize_side(image_size: int) -> int:
     return round(image_size / CENTRE_CROP_FRACTION)
 
 
+def stl10_missing(data_dir: Path) -> DdpcliError:
+    return usage_error(
+        f"STL-10 not found in {stl10_dir(data_dir)}; pass --download to fetch it (2.6 GB) "
+        "or point --data-dir at the folder that holds stl10_binary/"
+    )
+
+
 def check_data_source(cfg: TrainConfig) -> None:
     """The data set named by the flags is there (or can be fetched): exit 2 otherwise."""
     # The user's own factory reads --data-dir as it likes (a folder, a CSV file, nothing).
@@ -140,9 +147,6 @@ def check_data_source(cfg: TrainConfig) -> None:
             f"invalid --data-dir: {cfg.data_dir} does not exist or is not a folder{hint}"
         )
     if cfg.dataset == "stl10" and not cfg.download and not stl10_present(cfg.data_dir):
-        raise usage_error(
-            f"STL-10 not found in {stl10_dir(cfg.data_dir)}; pass --download to fetch it "
-            "or point --data-dir at the folder that holds stl10_binary/"
-        )
+        raise stl10_missing(cfg.data_dir)
     if cfg.dataset == "imagefolder":
         check_imagefolder(cfg.data_dir)

@@ -27,6 +27,7 @@ from ddpcli.data.layout import (
     folder_samples,
     resize_side,
     stl10_dir,
+    stl10_missing,
     stl10_present,
     training_augment,
 )
@@ -142,10 +143,7 @@ def read_stl10_split(folder: Path, split: str) -> ImageSet:
 def stl10_splits(data_dir: Path, download: bool, ctx: DistContext) -> MemorySplits:
     if not stl10_present(data_dir):
         if not download:
-            raise usage_error(
-                f"STL-10 not found in {stl10_dir(data_dir)}; pass --download to fetch it "
-                "(2.6 GB) or point --data-dir at the folder that holds stl10_binary/"
-            )
+            raise stl10_missing(data_dir)
         with rank_zero_prepares(ctx, f"download STL-10 (2.6 GB) into {data_dir}"):
             if ctx.is_main and not stl10_present(data_dir):
                 download_stl10(data_dir)
