@@ -3,7 +3,7 @@
 On GPUs, torch's own `nn.SyncBatchNorm.convert_sync_batchnorm` converts the model. Its
 statistics kernels (`batch_norm_stats`, ...) exist for GPUs only, and DDP refuses an
 nn.SyncBatchNorm on the CPU, so on Gloo CPU ranks each BatchNorm layer becomes a
-GlooSyncBatchNorm instead: the same statistics from two differentiable all_reduces, so a
+GlooSyncBatchNorm instead: the same statistics from one differentiable all_gather, so a
 CPU run trains what a GPU run trains.
 """
 
@@ -16,34 +16,37 @@ import torch.distributed as dist
 from torch import nn
 
 
-class _SummedOverRanks(torch.autograd.Function):
-    """all_reduce (sum) that autograd sees through: the gradient of a sum over ranks is the
-    sum of every rank's gradient (torch.distributed.nn's, which torch now deprecates)."""
+class _GatheredFromRanks(torch.autograd.Function):
+    """all_gather that autograd sees through: row r of the result is rank r's tensor. Every
+    rank's loss depends on every row, so a row's gradient is the sum of all ranks' gradients
+    for it: one all_reduce in the backward, as torch.distributed.nn's (which torch now
+    deprecates)."""
 
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
         ctx.group = group
-        summed = tensor.clone()
-        dist.all_reduce(summed, group=group)
-        return summed
+        rows = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(rows, tensor.contiguous(), group=group)
+        return torch.stack(rows)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        summed = grad.clone()
+        summed = grad.contiguous().clone()
         dist.all_reduce(summed, group=ctx.group)
-        return summed, None
+        return summed[dist.get_rank(ctx.group)], None
 
 
-def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    return _SummedOverRanks.apply(tensor, group)
+def all_gather(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    return _GatheredFromRanks.apply(tensor, group)
 
 
 class GlooSyncBatchNorm(nn.modules.batchnorm._BatchNorm):
-    """BatchNorm over every rank's samples, on any device: the mean first, then the
-    variance around it (two passes: E[x^2] - E[x]^2 loses precision in float32). Autograd
-    flows through the all_reduces, so each rank's gradient sees every rank's samples, as
-    torch's GPU kernels arrange by hand. Not an nn.SyncBatchNorm: DDP refuses those on
-    the CPU."""
+    """BatchNorm over every rank's samples, on any device, with one collective each way:
+    every rank sends its count, mean and variance (one all_gather), and
+    each rank combines them as Chan et al.'s parallel variance does (no E[x^2] - E[x]^2,
+    which loses precision in float32). Autograd flows through the gather, so each rank's
+    gradient sees every rank's samples, as torch's GPU kernels arrange by hand. Not an
+    nn.SyncBatchNorm: DDP refuses those on the CPU."""
 
     process_group: dist.ProcessGroup | None = None
 
@@ -61,14 +64,17 @@ class GlooSyncBatchNorm(nn.modules.batchnorm._BatchNorm):
         channels = input.shape[1]
         dims = [0, *range(2, input.ndim)]
         shape = [1, channels] + [1] * (input.ndim - 2)
+        # torch.var_mean's per-rank figures are as exact as BatchNorm's own; the global mean
+        # is taken as a shift from rank 0's, so a large mean does not swamp a small spread.
+        local_var, local_mean = torch.var_mean(input, dims, correction=0)
         count = input.new_tensor([input.numel() // channels])
-        sums = all_reduce(torch.cat([input.sum(dims), count]), group=group)
-        total = sums[-1]
-        mean = sums[:-1] / total
-        centred = input - mean.view(shape)
-        var = all_reduce(centred.square().sum(dims), group=group) / total
+        ranks = all_gather(torch.cat([local_mean, local_var, count]), group)
+        means, variances, counts = ranks[:, :channels], ranks[:, channels:-1], ranks[:, -1:]
+        total = counts.sum()
+        mean = means[0] + (counts * (means - means[0])).sum(0) / total
+        var = (counts * (variances + (means - mean).square())).sum(0) / total
         self._track(mean.detach(), var.detach(), total.item())
-        output = centred * torch.rsqrt(var + self.eps).view(shape)
+        output = (input - mean.view(shape)) * torch.rsqrt(var + self.eps).view(shape)
         if self.affine:
             output = output * self.weight.view(shape) + self.bias.view(shape)
         return output.to(given.dtype)

@@ -198,7 +198,9 @@ def rank_main(rank, out, port):
     low = convert_sync_batchnorm(nn.Sequential(nn.BatchNorm2d(4)), torch.device("cpu"))
     with torch.autocast("cpu", dtype=torch.bfloat16):  # as --precision bf16 runs it
         low_output = low(mine.detach().bfloat16())
-    torch.save({"output": output.detach(), "grad": mine.grad, "state": layer.state_dict(),
+    offset = convert_sync_batchnorm(nn.Sequential(nn.BatchNorm2d(4)), torch.device("cpu"))
+    offset_output = offset(mine.detach() * 0.01 + 1000)  # a large mean, a tiny spread
+    torch.save({"offset_output": offset_output.detach(), "output": output.detach(), "grad": mine.grad, "state": layer.state_dict(),
                 "weight_grad": layer[0].weight.grad, "bf16_output": low_output.detach(),
                 "bf16_state": low.state_dict()}, f"{out}/rank{rank}.pt")
     dist.destroy_process_group()
@@ -243,6 +245,10 @@ def test_sync_bn_statistics_are_those_of_the_whole_global_batch(tmp_path):
             stats = got["bf16_state"][name]
             assert stats.dtype == torch.float32
             assert torch.allclose(stats, low.state_dict()[name.removeprefix("0.")], rtol=1e-2)
+    # Mean 1000, spread 0.03: E[x^2] - E[x]^2 would lose every digit in float32.
+    offset = nn.BatchNorm2d(4)(whole.detach() * 0.01 + 1000)
+    for rank, got in enumerate(ranks):
+        assert torch.allclose(got["offset_output"], offset[rows[rank]].detach(), atol=2e-3)
 
 
 # --- Repeated augmentation ----------------------------------------------------------------------
