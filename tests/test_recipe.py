@@ -200,9 +200,10 @@ def rank_main(rank, out, port):
         low_output = low(mine.detach().bfloat16())
     offset = convert_sync_batchnorm(nn.Sequential(nn.BatchNorm2d(4)), torch.device("cpu"))
     offset_output = offset(mine.detach() * 0.01 + 1000)  # a large mean, a tiny spread
-    torch.save({"offset_output": offset_output.detach(), "output": output.detach(), "grad": mine.grad, "state": layer.state_dict(),
+    torch.save({"output": output.detach(), "grad": mine.grad, "state": layer.state_dict(),
                 "weight_grad": layer[0].weight.grad, "bf16_output": low_output.detach(),
-                "bf16_state": low.state_dict()}, f"{out}/rank{rank}.pt")
+                "bf16_state": low.state_dict(), "offset_output": offset_output.detach()},
+               f"{out}/rank{rank}.pt")
     dist.destroy_process_group()
 
 if __name__ == "__main__":
