@@ -12,7 +12,6 @@ Torch is imported only to record a failure: a script that never imports it stays
 
 from __future__ import annotations
 
-import contextlib
 import faulthandler
 import os
 import runpy
@@ -21,7 +20,7 @@ import sys
 import traceback
 
 from ddpcli.errors import INTERRUPTED
-from ddpcli.process import die_with_agent
+from ddpcli.process import die_with_agent, record_for_agent
 
 USAGE_TEXT = "usage: python -m ddpcli.bootstrap [-m] SCRIPT.py|MODULE [ARGS...]"
 
@@ -46,14 +45,6 @@ def print_user_traceback(error: BaseException) -> None:
     while frames is not None and frames.tb_frame.f_code.co_filename in ours:
         frames = frames.tb_next
     traceback.print_exception(type(error), error, frames or error.__traceback__)
-
-
-def record_for_agent(error: BaseException) -> None:
-    """The traceback goes to the agent's error file, for the launcher's report."""
-    from torch.distributed.elastic.multiprocessing.errors import get_error_handler
-
-    with contextlib.suppress(OSError):  # a full disk must not add a stack of its own
-        get_error_handler().record_exception(error)
 
 
 def end_now(exit_code: int) -> None:

@@ -6,14 +6,19 @@ The heap and the clean exit matter for speed and change nothing a process comput
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
+import functools
 import gc
 import os
 import signal
 import sys
-from typing import NoReturn
+from collections.abc import Callable
+from typing import Any, NoReturn, TypeVar
 
 from ddpcli import ui
+
+Returns = TypeVar("Returns")
 
 
 def keep_freed_memory() -> None:
@@ -84,3 +89,46 @@ def die_with_agent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
     if os.getppid() != int(agent):  # the agent died before the line above
         os._exit(1)
+
+
+@functools.cache
+def _whole_file_error_handler() -> Any:
+    """Elastic's ErrorHandler, writing the error file whole or not at all. Elastic writes it
+    in place, and after the first failure it stops the other ranks and reads each one's
+    file: a rank stopped in mid-write leaves an empty or cut file, on which elastic raises
+    JSONDecodeError instead of reporting the job. A file renamed into place is complete."""
+    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+    class WholeFileErrorHandler(ErrorHandler):
+        writing_to: str | None = None
+
+        def _get_error_file_path(self) -> str | None:
+            return self.writing_to or super()._get_error_file_path()
+
+        def record_exception(self, e: BaseException) -> None:
+            final = super()._get_error_file_path()
+            if not final:
+                return super().record_exception(e)
+            self.writing_to = f"{final}.partial"
+            try:
+                super().record_exception(e)
+            finally:
+                self.writing_to = None
+            os.replace(f"{final}.partial", final)
+
+    return WholeFileErrorHandler()
+
+
+def record_for_agent(error: BaseException) -> None:
+    """The traceback goes to the agent's error file for its report. A full disk (or a gone
+    folder) must not turn the rank's one line into a stack of its own."""
+    with contextlib.suppress(OSError):
+        _whole_file_error_handler().record_exception(error)
+
+
+def recorded(main: Callable[..., Returns]) -> Callable[..., Returns | None]:
+    """Elastic's @record (an uncaught exception goes to the agent's error file), with the
+    file written whole."""
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    return record(main, _whole_file_error_handler())

@@ -15,7 +15,6 @@ from typing import Any, NoReturn
 
 import torch
 import torch._dynamo  # noqa: F401 - DDP's constructor imports it: once, in the launcher, if forked
-from torch.distributed.elastic.multiprocessing.errors import get_error_handler, record
 
 from ddpcli import ui
 from ddpcli.checkpoint.schema import resized_for_resume
@@ -36,6 +35,8 @@ from ddpcli.process import (
     exit_with_error,
     freeze_imported_objects,
     keep_freed_memory,
+    record_for_agent,
+    recorded,
 )
 from ddpcli.stopping import Interrupted, note_interrupts, was_interrupted
 from ddpcli.train import Trainer
@@ -158,13 +159,6 @@ def remove_init_file(init_method: str | None) -> None:
         Path(init_method.removeprefix("file://")).unlink(missing_ok=True)
 
 
-def record_for_agent(error: BaseException) -> None:
-    """The traceback goes to the agent's error file for its report, the user sees one line.
-    A full disk (or a gone folder) must not turn that line into a stack of its own."""
-    with contextlib.suppress(OSError):
-        get_error_handler().record_exception(error)
-
-
 def end_interrupted(stop: BaseException | None, env: LauncherEnv, cfg: TrainConfig) -> None:
     """Ctrl-C: the launcher says it once for the job, from what rank 0 leaves in --out."""
     if env.rank == 0 and isinstance(stop, Interrupted):
@@ -173,7 +167,7 @@ def end_interrupted(stop: BaseException | None, env: LauncherEnv, cfg: TrainConf
     end_quietly(INTERRUPTED)
 
 
-@record
+@recorded
 def main(argv: list[str]) -> None:
     die_with_agent()
     freeze_imported_objects()
@@ -193,7 +187,7 @@ def main(argv: list[str]) -> None:
         if was_interrupted():  # a peer that stopped first: a consequence of the Ctrl-C
             end_interrupted(None, env, cfg)
         if debug_requested() and not isinstance(error, DdpcliError):
-            raise  # @record prints the traceback and hands it to the agent
+            raise  # @recorded prints the traceback and hands it to the agent
         speaks = True
         if isinstance(error, DdpcliError) and error.every_rank:
             speaks = says_agreed_stop(error, env, Path(argv[1]).with_name(AGREED_STOP_FILE))

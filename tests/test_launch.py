@@ -7,6 +7,7 @@ before any worker starts; Ctrl-C gives one line and exit 130.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -149,6 +150,38 @@ def test_a_failing_script_names_the_rank_that_failed_first(tmp_path, failure):
     assert "rank 0 on" not in result.stderr  # the rank that only lost its peer is not blamed
     assert "SignalException" not in result.stderr and "ChildFailedError" not in result.stderr
     assert_none_left(str(script))
+
+
+def stopped_in_mid_write(data, fp):
+    """json.dump as a SIGTERM would leave it: part of the file, then the end of the process."""
+    fp.write("{")
+    raise SystemExit(143)
+
+
+@pytest.mark.parametrize("write", ["whole", "stopped in mid-write"])
+def test_a_rank_leaves_its_error_file_whole_or_not_at_all(tmp_path, monkeypatch, write):
+    """After the first failure the agent stops the other ranks and parses each one's error
+    file: a cut file made it raise JSONDecodeError instead of naming the rank (seen in CI)."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure, error_handler
+
+    from ddpcli.process import record_for_agent
+
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    if write != "whole":
+        monkeypatch.setattr(error_handler.json, "dump", stopped_in_mid_write)
+    try:
+        raise ValueError("bad batch")
+    except ValueError as error:
+        with pytest.raises(SystemExit) if write != "whole" else contextlib.nullcontext():
+            record_for_agent(error)
+    monkeypatch.undo()
+    failure = ProcessFailure(local_rank=0, pid=1, exitcode=1, error_file=str(error_file))
+    if write == "whole":
+        assert failure.message["message"] == "ValueError: bad batch"
+    else:
+        assert not error_file.exists()  # the agent reports the signal, not a parse error
+        assert failure.error_file_data["errorTraits"]["category"] == "system_terminated_error"
 
 
 @pytest.mark.parametrize(

@@ -9,17 +9,15 @@ import os
 import sys
 from pathlib import Path
 
-from torch.distributed.elastic.multiprocessing.errors import record
-
 from ddpcli.barrier.rank import BarrierTimeout
 from ddpcli.barrier.run import run_rank
 from ddpcli.config import BarrierConfig
 from ddpcli.environments import read_launcher_env
 from ddpcli.errors import USAGE, DdpcliError
-from ddpcli.process import collect_then_freeze, exit_with_error
+from ddpcli.process import collect_then_freeze, exit_with_error, recorded
 
 
-@record
+@recorded
 def main(argv: list[str]) -> None:
     cfg = BarrierConfig.model_validate_json(Path(argv[1]).read_text())
     env = read_launcher_env()
