@@ -109,12 +109,12 @@ def _whole_file_error_handler() -> Any:
             final = super()._get_error_file_path()
             if not final:
                 return super().record_exception(e)
-            self.writing_to = f"{final}.partial"
+            self.writing_to = partial = f"{final}.partial"
             try:
                 super().record_exception(e)
             finally:
                 self.writing_to = None
-            os.replace(f"{final}.partial", final)
+            os.replace(partial, final)
 
     return WholeFileErrorHandler()
 
