@@ -20,7 +20,7 @@ import sys
 import traceback
 
 from ddpcli.errors import INTERRUPTED
-from ddpcli.process import die_with_agent, record_for_agent
+from ddpcli.process import die_with_parent, record_for_agent
 
 USAGE_TEXT = "usage: python -m ddpcli.bootstrap [-m] SCRIPT.py|MODULE [ARGS...]"
 
@@ -56,7 +56,7 @@ def end_now(exit_code: int) -> None:
 
 
 def main(argv: list[str]) -> None:
-    die_with_agent()
+    die_with_parent()
     faulthandler.register(signal.SIGTERM, chain=True)  # where a stopped rank was stuck
     as_module = len(argv) > 1 and argv[1] == "-m"
     rest = argv[2:] if as_module else argv[1:]

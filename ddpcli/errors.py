@@ -31,6 +31,19 @@ def agreed_error(message: str) -> DdpcliError:
     return DdpcliError(message, RUNTIME, every_rank=True)
 
 
+# What a rank's error says when another rank died or hung: its failure is a consequence.
+PEER_LOST = ("closed by peer", "reset by peer", "Broken pipe", "remote process exited")
+
+
+def lost_a_peer(error_text: str) -> bool:
+    return any(marker in error_text for marker in PEER_LOST)
+
+
+def said_by_rank(rank: int, message: str) -> str:
+    """A worker's line names its rank once: many messages already begin with it."""
+    return message if message.startswith("rank ") else f"rank {rank}: {message}"
+
+
 def first_line(error: BaseException, limit: int = 300) -> str:
     """An exception in one line for a message: its first line, or its type if it says nothing."""
     text = str(error).strip() or type(error).__name__

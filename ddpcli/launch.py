@@ -5,7 +5,7 @@ restarts and per-rank error reports.
 
 from __future__ import annotations
 
-import importlib
+import contextlib
 import json
 import logging
 import os
@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ddpcli import ui
-from ddpcli.config import ScriptLaunchConfig, TrainConfig
+from ddpcli.config import BarrierConfig, ScriptLaunchConfig, TrainConfig
 from ddpcli.environments import LauncherEnv, read_launcher_env
 from ddpcli.errors import (
     INTERRUPTED,
@@ -29,13 +29,14 @@ from ddpcli.errors import (
     DdpcliError,
     debug_requested,
     first_line,
+    lost_a_peer,
     runtime_error,
     usage_error,
 )
-from ddpcli.fork import every_failure_reported, forks_workers, start_forked_worker
+from ddpcli.fork import every_failure_reported, fork_server, forks_workers, start_forked_worker
 from ddpcli.machine import cpu_count
 from ddpcli.membership import advertised_address, c10d_settings
-from ddpcli.process import AGREED_STOP_FILE, freeze_imported_objects
+from ddpcli.process import AGREED_STOP_FILE, PARENT_PID_VARIABLE, freeze_imported_objects
 from ddpcli.resources import capacity_warnings
 from ddpcli.rollcall import (
     MasterUnreachable,
@@ -54,6 +55,7 @@ if TYPE_CHECKING:  # torch is imported where a launch needs it, not with this mo
     from torch.distributed.launcher.api import LaunchConfig
 
 WORKER_MODULE = "ddpcli.worker"
+BARRIER_WORKER_MODULE = "ddpcli.barrier.worker"
 DEFAULT_MASTER_PORT = 29500  # torchrun's, as in ddpcli.resolve
 
 
@@ -118,6 +120,21 @@ def run_adopted_worker(cfg: TrainConfig, launcher: LauncherEnv, debug: bool) -> 
             traceback.print_exc()
         agreed = isinstance(error, DdpcliError) and error.every_rank
         exit_for_error(error, launcher.rank, speaks=launcher.rank == 0 or not agreed)
+
+
+def early_fork_server(
+    cfg: TrainConfig | BarrierConfig, launcher: LauncherEnv | None
+) -> contextlib.AbstractContextManager[Any]:
+    """For a command whose launch will fork its workers (CPU ranks, no outside launcher):
+    the fork server, started once the flags are checked, so that it imports torch and the
+    worker while the launcher does too and forms the job. It stops when the command ends."""
+    if isinstance(cfg, TrainConfig):
+        module, cpu = WORKER_MODULE, cfg.cpu
+    else:
+        module, cpu = BARRIER_WORKER_MODULE, not cfg.uses_gpus
+    if launcher is None and cpu and forks_workers(uses_gpus=False):
+        return fork_server(module)
+    return contextlib.nullcontext()
 
 
 def worker_environment(
@@ -235,7 +252,7 @@ def launch_config(job: WorkerJob, scratch: str) -> LaunchConfig:
         rdzv_configs=rdzv_configs,
         max_restarts=job.max_restarts,
         monitor_interval=0.1,
-        start_method="fork" if job.fork else "spawn",
+        start_method="forkserver" if job.fork else "spawn",
         logs_specs=logs,
         log_line_prefix_template=prefix,
         # SIGUSR1 too (SLURM's `--signal=USR1@90`): else it would end the agent, not reach them.
@@ -264,28 +281,35 @@ def run_workers(job: WorkerJob, debug: bool = False) -> None:
     """Start `job` under torch.distributed.elastic and wait; a failed rank becomes a
     DdpcliError naming it (exit 2 if it failed on bad input, 1 otherwise), a signal to the
     launcher a JobStopped once every worker has ended."""
+    if not debug:  # their lines would come between the workers' and ours, and say less
+        logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+        logging.getLogger("torch.multiprocessing").setLevel(logging.CRITICAL)
+    os.environ.update(job.env)  # inherited by the workers, before any of them starts CUDA
+    os.environ[PARENT_PID_VARIABLE] = str(os.getpid())  # workers die with us (process.py)
+    with contextlib.ExitStack() as stack:
+        # Started first: the server imports torch while this process forms the job.
+        server = stack.enter_context(fork_server(job.module)) if job.fork else None
+        # Elastic hosts have no node rank to answer a roll call by: the rendezvous bounds them.
+        static_nodes = job.nnodes > 1 and job.rendezvous is None
+        store = roll_call(job) if static_nodes else None  # noqa: F841 - keeps the server alive
+        scratch = stack.enter_context(tempfile.TemporaryDirectory(prefix="ddpcli-agent-"))
+        start_workers(job, launch_config(job, scratch), server)
+
+
+def start_workers(job: WorkerJob, config: LaunchConfig, fork_server_pid: str | None) -> None:
+    """Run the job's workers, forked from the fork server FORK_SERVER_PID or started as
+    new interpreters; a failure to start or finish becomes a DdpcliError."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
-    if not debug:
-        logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
-    os.environ.update(job.env)  # inherited by the workers, before any of them starts CUDA
-    os.environ["DDPCLI_AGENT_PID"] = str(os.getpid())  # workers die with us (process.py)
-    # Elastic hosts have no node rank to answer a roll call by: the rendezvous bounds them.
-    static_nodes = job.nnodes > 1 and job.rendezvous is None
-    store = roll_call(job) if static_nodes else None  # noqa: F841 - keeps the server alive
     try:
-        with tempfile.TemporaryDirectory(prefix="ddpcli-agent-") as scratch:
-            config = launch_config(job, scratch)
-            if job.fork:
-                importlib.import_module(job.module)  # once, here, for every worker
-                sys.stdout.flush()  # else each child would print what is still buffered
-                sys.stderr.flush()
-                with every_failure_reported():
-                    elastic_launch(config, start_forked_worker)(job.module, *job.args)
-            else:
-                elastic_launch(config, sys.executable)("-m", job.module, *job.args)
+        if fork_server_pid is not None:
+            with every_failure_reported():
+                entry = elastic_launch(config, start_forked_worker)
+                entry(fork_server_pid, job.env, job.module, *job.args)
+        else:
+            elastic_launch(config, sys.executable)("-m", job.module, *job.args)
     except ChildFailedError as failure:
         collective_timeout = job.timeout_s if job.timeout_bounds_collectives else None
         raise describe_failure(failure, job.log_dir, collective_timeout) from None
@@ -582,8 +606,6 @@ def unresponsive_in_words(others: list[int], exitcode: int, timeout_s: float | N
     return f"stopped responding: {gave_up}; {end}"
 
 
-# What a rank prints when another one died or hung: its failure is a consequence.
-PEER_LOST = ("closed by peer", "reset by peer", "Broken pipe", "remote process exited")
 TIMED_OUT = ("Timed out", "timed out", "Timeout", "timeout")
 
 
@@ -614,7 +636,7 @@ def knock_on_effect(failure: ProcessFailure) -> str:
     if failure.exitcode == -signal.SIGTERM:
         return "it was stopped because another rank failed"
     text = last_error_line(failure)
-    if any(marker in text for marker in PEER_LOST):
+    if lost_a_peer(text):
         return (
             "it lost its connection to another rank, which most likely died first "
             "(on another node: see that node's output)"

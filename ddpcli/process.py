@@ -76,18 +76,23 @@ def end_quietly(exit_code: int) -> NoReturn:
     os._exit(exit_code)
 
 
-def die_with_agent() -> None:
+# The process a worker dies with: the elastic agent, or the fork server it forks from.
+PARENT_PID_VARIABLE = "DDPCLI_PARENT_PID"
+
+
+def die_with_parent() -> None:
     """The elastic agent starts each worker in its own session, so when the agent itself is
     killed (SIGKILL, the OOM killer, a scheduler) nothing stops its workers, and they train
-    on as orphans. Ask the kernel to kill this worker when its parent dies."""
-    agent = os.environ.get("DDPCLI_AGENT_PID")
-    if not agent or not sys.platform.startswith("linux"):
+    on as orphans. Ask the kernel to kill this worker when its parent dies (the agent, or
+    the fork server, which ends with the agent: ddpcli.fork)."""
+    parent = os.environ.get(PARENT_PID_VARIABLE)
+    if not parent or not sys.platform.startswith("linux"):
         return
     import ctypes
 
     pr_set_pdeathsig = 1
     ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
-    if os.getppid() != int(agent):  # the agent died before the line above
+    if os.getppid() != int(parent):  # the parent died before the line above
         os._exit(1)
 
 

@@ -38,6 +38,12 @@ def check_tensorboard(cfg: TrainConfig) -> None:
 
 def resolve_train_config(cfg: TrainConfig, launcher: LauncherEnv | None) -> TrainConfig:
     """Fill every "auto" value from the machine and check what only the machine can tell."""
+    return with_cpu_precision(checked_train_config(cfg, launcher))
+
+
+def checked_train_config(cfg: TrainConfig, launcher: LauncherEnv | None) -> TrainConfig:
+    """All of resolve_train_config that needs only the flags and the disk, not torch (whose
+    import takes seconds): a typo is answered at once. --precision auto stays to resolve."""
     values = cfg.model_dump()
     if launcher is None:
         resolve_devices(values)
@@ -65,7 +71,6 @@ def resolve_train_config(cfg: TrainConfig, launcher: LauncherEnv | None) -> Trai
         check_interface(cfg.ifname)
     if launcher is None or launcher.rank == 0:
         check_init_file(cfg)
-    resolve_cpu_precision(values)  # asks torch: after the checks that need only the disk
     values["world_from"] = world_origin(cfg, launcher)
     resolved = TrainConfig(**values)
     # What --dry-run shows; every worker computes it again from the world it joined.
@@ -125,12 +130,13 @@ def world_origin(cfg: TrainConfig, launcher: LauncherEnv | None) -> str:
     return where
 
 
-def resolve_cpu_precision(values: dict[str, Any]) -> None:
+def with_cpu_precision(cfg: TrainConfig) -> TrainConfig:
     """`--precision auto` on the CPU (ddpcli.precision: native bf16 and a model it pays
-    for). On GPUs each worker decides from the device it is given."""
-    if values["cpu"] and values["precision"] == "auto":
-        choice = auto_cpu_precision(values["arch"], native_cpu_bf16())
-        values["precision"], values["precision_reason"] = choice
+    for), asked of torch. On GPUs each worker decides from the device it is given."""
+    if not cfg.cpu or cfg.precision != "auto":
+        return cfg
+    precision, reason = auto_cpu_precision(cfg.resolved_arch, native_cpu_bf16())
+    return cfg.model_copy(update={"precision": precision, "precision_reason": reason})
 
 
 def default_out_dir() -> Path:

@@ -24,13 +24,22 @@ from ddpcli.data.pipeline import DataPipeline
 from ddpcli.data.sets import SKIPPED_IMAGES_FILE, load_splits
 from ddpcli.dist import DistContext, init_distributed, shutdown
 from ddpcli.environments import LauncherEnv, read_launcher_env
-from ddpcli.errors import INTERRUPTED, USAGE, DdpcliError, debug_requested, first_line
+from ddpcli.errors import (
+    INTERRUPTED,
+    RUNTIME,
+    USAGE,
+    DdpcliError,
+    debug_requested,
+    first_line,
+    lost_a_peer,
+    said_by_rank,
+)
 from ddpcli.machine import cpu_count
 from ddpcli.precision import auto_cpu_precision, auto_gpu_precision, native_cpu_bf16
 from ddpcli.process import (
     AGREED_STOP_FILE,
     collect_then_freeze,
-    die_with_agent,
+    die_with_parent,
     end_quietly,
     exit_with_error,
     freeze_imported_objects,
@@ -169,7 +178,7 @@ def end_interrupted(stop: BaseException | None, env: LauncherEnv, cfg: TrainConf
 
 @recorded
 def main(argv: list[str]) -> None:
-    die_with_agent()
+    die_with_parent()
     freeze_imported_objects()
     # When the agent stops a stuck job (SIGTERM), say where this rank was waiting first.
     faulthandler.register(signal.SIGTERM, chain=True)
@@ -188,6 +197,10 @@ def main(argv: list[str]) -> None:
             end_interrupted(None, env, cfg)
         if debug_requested() and not isinstance(error, DdpcliError):
             raise  # @recorded prints the traceback and hands it to the agent
+        if not isinstance(error, DdpcliError) and lost_a_peer(str(error)):
+            # A consequence: the launcher names the rank that failed first, and why.
+            record_for_agent(error)
+            end_quietly(RUNTIME)
         speaks = True
         if isinstance(error, DdpcliError) and error.every_rank:
             speaks = says_agreed_stop(error, env, Path(argv[1]).with_name(AGREED_STOP_FILE))
@@ -215,8 +228,7 @@ def exit_for_error(error: Exception, rank: int, speaks: bool = True) -> NoReturn
     if isinstance(error, DdpcliError):
         if not speaks:
             end_quietly(error.exit_code)
-        prefix = "" if error.message.startswith("rank ") else f"rank {rank}: "
-        exit_with_error(prefix + error.message, error.exit_code)
+        exit_with_error(said_by_rank(rank, error.message), error.exit_code)
     record_for_agent(error)
     exit_with_error(f"rank {rank}: {type(error).__name__}: {first_line(error)}", 1)
 

@@ -35,6 +35,13 @@ def clean_env(**extra: str) -> dict[str, str]:
     return {**env, "PYTHONUNBUFFERED": "1", "COLUMNS": "200", **extra}
 
 
+def tagged(env: dict[str, str], command: list[str]) -> dict[str, str]:
+    """ENV with COMMAND in it: a worker forked from ddpcli's fork server has the server's
+    command line, but the environment the launcher started the server with
+    (test_faults.leftover_workers finds a run's workers by either)."""
+    return {**env, "DDPCLI_TEST_COMMAND": " ".join(command)}
+
+
 # Warnings that depend on the machine's load, not on the run's settings: a busy CI core
 # makes one rank the straggler, or the data wait long.
 LOAD_WARNINGS = ("is the slowest", "waiting for data takes")
@@ -74,7 +81,7 @@ def run_bounded(command: list[str], timeout: float, env: dict | None = None, cwd
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env=env,
+        env=tagged(env or dict(os.environ), command),
         cwd=cwd or REPO,
         start_new_session=True,
     )
@@ -102,7 +109,7 @@ class LiveProcess:
     def __init__(self, command: list[str], env: dict[str, str] | None = None):
         self.process = subprocess.Popen(
             command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-            env=env or clean_env(), cwd=REPO, start_new_session=True,
+            env=tagged(env or clean_env(), command), cwd=REPO, start_new_session=True,
         )  # fmt: skip
         self.lines: list[str] = []
         self.reader = threading.Thread(target=self._read, daemon=True)

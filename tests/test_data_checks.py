@@ -196,6 +196,9 @@ def test_a_bad_image_ends_the_run_with_exit_2_or_is_skipped_and_reported(tmp_pat
     assert failed.returncode == 2, failed.stderr[-3000:]
     assert f"cannot decode image {bad}" in failed.stderr and "--skip-bad-images" in failed.stderr
     assert "Traceback" not in failed.stderr
+    # The file's line and the launcher's: not the other rank's lost connection as well.
+    errors = [line for line in failed.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 2 and "failed first" in errors[1], errors
     out = tmp_path / "skipped"
     result = run_cli(*settings, "--skip-bad-images", "--out", str(out), "--json", timeout=180)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -59,25 +59,40 @@ def worker_rank(pid: str) -> int | None:
     return int(variables[b"RANK"])
 
 
-def child_workers(parent: int) -> dict[int, int]:
-    """Global rank -> pid of the workers `parent` started."""
+def child_workers(launcher: int) -> dict[int, int]:
+    """Global rank -> pid of the workers `launcher` started: its children when they are
+    programs, its fork server's when they are forked."""
     workers = {}
-    for entry in Path("/proc").iterdir():
+    for pid in descendants(launcher):
         try:
-            stat = (entry / "stat").read_text()
-            if int(stat.rsplit(")", 1)[1].split()[1]) != parent:
-                continue
-            rank = worker_rank(entry.name)
+            rank = worker_rank(str(pid))
         except (OSError, ValueError, KeyError, IndexError):
-            continue  # not a process, or one that just ended
+            continue  # one that just ended
         if rank is not None:
-            workers[rank] = int(entry.name)
+            workers[rank] = pid
     return workers
 
 
+def descendants(ancestor: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue  # one that just ended
+        children.setdefault(parent, []).append(int(entry.name))
+    found, frontier = [], [ancestor]
+    while frontier:
+        found += (frontier := [c for p in frontier for c in children.get(p, [])])
+    return found
+
+
 def leftover_workers(out: Path) -> list[int]:
-    """Workers of this test's run still alive: their command line (or, forked, their
-    launcher's) names its output folder. (Other test sessions run workers of their own.)"""
+    """Workers of this test's run still alive: their command line, or (forked) the
+    environment their launcher gave the fork server (conftest.tagged), names its output
+    folder. (Other test sessions run workers of their own.)"""
     left = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -85,9 +100,10 @@ def leftover_workers(out: Path) -> list[int]:
         try:
             is_worker = worker_rank(entry.name) is not None
             args = proc_args(entry.name)
+            environ = (entry / "environ").read_bytes().decode(errors="replace")
         except (OSError, ValueError, KeyError, IndexError):
             continue
-        if is_worker and any(str(out) in arg for arg in args):
+        if is_worker and (any(str(out) in arg for arg in args) or str(out) in environ):
             left.append(int(entry.name))
     return left
 
@@ -124,6 +140,14 @@ class Background(LiveProcess):
         for pid in child_workers(self.process.pid).values():
             kill_pid(pid)
         self.kill()
+
+
+def is_running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan's end waits for init to reap it)."""
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def kill_pid(pid: int) -> None:
@@ -233,18 +257,30 @@ def test_sigkill_with_max_restarts_resumes_from_last_checkpoint(tmp_path, init):
     assert_no_worker_left(out)
 
 
-def test_workers_die_with_a_killed_launcher(tmp_path):
+@pytest.mark.parametrize("killed", ["group", "process"])
+def test_workers_die_with_a_killed_launcher(tmp_path, killed):
     """The agent starts its workers in sessions of their own, so killing the launcher's
-    process group (a scheduler, a test's timeout) must still take them down."""
+    process group (a scheduler, a test's timeout), or the launcher alone (the OOM killer),
+    must still take them down, and the fork server they were forked from."""
     out = tmp_path / "run"
     # Ten long epochs: orphaned workers would still be training when the test looks.
     args = ["train", *LONG_EPOCHS, "--nproc", "2", "--epochs", "10", "--log-every", "1"]
     with Background(*args, "--timeout", "20", "--out", str(out)) as run:
         run.wait_for("epoch 1/10 step 2/")
         assert len(child_workers(run.process.pid)) == 2
-        kill_group(run.process.pid)  # the launcher only: the workers are not in its group
+        family = descendants(run.process.pid)  # the workers, and their fork server if forked
+        if killed == "group":  # the launcher (and its fork server): not the workers' group
+            kill_group(run.process.pid)
+        else:
+            os.kill(run.process.pid, signal.SIGKILL)
         assert run.finish(timeout=30) == -signal.SIGKILL
         assert_no_worker_left(out)
+        deadline = time.monotonic() + 5
+        while (alive := [pid for pid in family if is_running(pid)]) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        for pid in alive:
+            kill_pid(pid)
+        assert not alive, f"left behind: {[proc_args(str(pid)) for pid in alive]}"
 
 
 def test_worker_exception_with_log_dir(tmp_path):

@@ -1,9 +1,13 @@
-"""Forked workers (ddpcli/fork.py): elastic's function path made to behave as its program
-path does: each worker named, stopped by SIGTERM as a program would be, and every failed
-rank reported, not only the first."""
+"""Forked workers (ddpcli/fork.py): forked from a fork server that has no other thread (a
+child forked from the multi-threaded launcher could inherit a C library lock held for
+good), and elastic's function path made to behave as its program path does: each worker
+named, with the job's environment, stopped by SIGTERM as a program would be, and every
+failed rank reported, not only the first."""
 
 from __future__ import annotations
 
+import json
+import multiprocessing.util
 import os
 import signal
 import sys
@@ -14,14 +18,30 @@ import pytest
 from torch.distributed.elastic import multiprocessing as elastic_mp
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 
-from ddpcli.fork import every_failure_reported, forks_workers, start_forked_worker
+from ddpcli.fork import (
+    every_failure_reported,
+    fork_server,
+    fork_server_pid,
+    forks_workers,
+    start_forked_worker,
+)
+
+linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="forks on Linux only")
 
 
 def main(argv: list[str]) -> None:
-    """A forked worker's entry (start_forked_worker imports this module): leave its process
-    name in a file, then exit with a code after a delay."""
+    """A forked worker's entry (start_forked_worker imports this module): leave what it saw
+    of itself and its parent in a file, then exit with a code after a delay."""
     _, record, code, delay_s = argv
-    Path(record).write_text(Path("/proc/self/comm").read_text().strip())
+    parent = os.getppid()
+    seen = {
+        "name": Path("/proc/self/comm").read_text().strip(),
+        "parent": parent,
+        "parent_threads": len(os.listdir(f"/proc/{parent}/task")),
+        "job_variable": os.environ.get("DDPCLI_TEST_JOB_VARIABLE"),
+        "temp_dir": multiprocessing.util.get_temp_dir(),
+    }
+    Path(record).write_text(json.dumps(seen))
     time.sleep(float(delay_s))
     os._exit(int(code))
 
@@ -29,31 +49,51 @@ def main(argv: list[str]) -> None:
 def failed_ranks(folder: Path) -> dict[int, int]:
     """Rank 0 fails after 2 s with exit code 3; rank 1 is still running then, and is stopped."""
     folder.mkdir()
-    context = elastic_mp.start_processes(
-        name="fork-test",
-        entrypoint=start_forked_worker,
-        args={
-            rank: (__name__, str(folder / f"comm-{rank}"), code, delay)
-            for rank, code, delay in ((0, "3", "2"), (1, "0", "60"))
-        },  # fmt: skip
-        envs={rank: {"RANK": str(rank)} for rank in (0, 1)},
-        logs_specs=DefaultLogsSpecs(log_dir=str(folder)),
-        start_method="fork",
-    )
-    result = context.wait(timeout=60, period=0.1)
-    assert result is not None and result.is_failed()
-    names = [(folder / f"comm-{rank}").read_text() for rank in (0, 1)]
-    assert names == ["ddpcli rank 0", "ddpcli rank 1"]  # what ps -e shows
+    with fork_server(__name__) as server:
+        job_env = {"DDPCLI_TEST_JOB_VARIABLE": "set after the server started"}
+        context = elastic_mp.start_processes(
+            name="fork-test",
+            entrypoint=start_forked_worker,
+            args={
+                rank: (server, job_env, __name__, str(folder / f"seen-{rank}"), code, delay)
+                for rank, code, delay in ((0, "3", "2"), (1, "0", "60"))
+            },  # fmt: skip
+            envs={rank: {"RANK": str(rank)} for rank in (0, 1)},
+            logs_specs=DefaultLogsSpecs(log_dir=str(folder)),
+            start_method="forkserver",
+        )
+        result = context.wait(timeout=60, period=0.1)
+        assert result is not None and result.is_failed()
+        seen = [json.loads((folder / f"seen-{rank}").read_text()) for rank in (0, 1)]
+        assert [s["name"] for s in seen] == ["ddpcli rank 0", "ddpcli rank 1"]  # what ps shows
+        assert all(s["parent"] == int(server) for s in seen)  # not the launcher: the server
+        assert all(s["parent_threads"] == 1 for s in seen)  # nothing held a lock as it forked
+        assert all(s["job_variable"] == job_env["DDPCLI_TEST_JOB_VARIABLE"] for s in seen)
+        # Each its own: the launcher's is removed as it exits, maybe before a worker's child.
+        launchers = multiprocessing.util.get_temp_dir()
+        assert len({launchers, seen[0]["temp_dir"], seen[1]["temp_dir"]}) == 3
+    assert fork_server_pid() is None  # stopped with the launch: the next one starts afresh
+    with pytest.raises(ProcessLookupError):
+        os.kill(int(server), 0)
     return {rank: failure.exitcode for rank, failure in result.failures.items()}
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="forks on Linux only")
+@linux_only
 def test_every_failed_rank_is_reported_not_only_the_first(tmp_path):
     assert failed_ranks(tmp_path / "plain") == {0: 3}  # elastic's own function path
     original = elastic_mp.MultiprocessContext
     with every_failure_reported():
         assert failed_ranks(tmp_path / "patched") == {0: 3, 1: -signal.SIGTERM}
     assert elastic_mp.MultiprocessContext is original
+
+
+@linux_only
+def test_an_inner_use_of_the_fork_server_leaves_it_to_the_outer_one():
+    with fork_server(__name__) as outer:
+        with fork_server(__name__) as inner:
+            assert inner == outer
+        os.kill(int(outer), 0)  # still running
+    assert fork_server_pid() is None
 
 
 def test_only_cpu_jobs_on_linux_fork():

@@ -288,3 +288,14 @@ def test_nproc_per_node_cpu_is_one_per_core_and_a_word_it_lacks_exits_2():
     with pytest.raises(DdpcliError, match="invalid --nproc: give auto, gpu, cpu") as error:
         build_launch_config({"nproc": "many", "target": "train.py"}, environ={})
     assert error.value.exit_code == 2
+
+
+def test_a_workers_line_names_its_rank_once():
+    """The train and bench-barrier workers prefix their error line with their rank unless the
+    message already begins with one (a failed group join: "rank 0: rank 0: could not ...")."""
+    from ddpcli.errors import said_by_rank
+
+    assert said_by_rank(2, "rank 2: could not join the process group") == (
+        "rank 2: could not join the process group"
+    )
+    assert said_by_rank(2, "MASTER_ADDR must be set") == "rank 2: MASTER_ADDR must be set"

@@ -30,10 +30,9 @@ from ddpcli.dist import DistContext, init_distributed, shutdown
 from ddpcli.environments import LauncherEnv, read_launcher_env
 from ddpcli.errors import DdpcliError, usage_error
 from ddpcli.fork import forks_workers
-from ddpcli.launch import WorkerJob, run_workers, worker_environment
+from ddpcli.launch import BARRIER_WORKER_MODULE, WorkerJob, run_workers, worker_environment
 from ddpcli.machine import check_gpu_indices, cpu_count
 
-WORKER_MODULE = "ddpcli.barrier.worker"
 RESULT_FILE = "result.json"
 
 
@@ -133,7 +132,7 @@ def launch_ranks(cfg: BarrierConfig, workdir: Path, debug: bool) -> dict:
     request = workdir / "config.json"
     request.write_text(cfg.model_dump_json())
     job = WorkerJob(
-        module=WORKER_MODULE,
+        module=BARRIER_WORKER_MODULE,
         args=[str(request), str(workdir)],
         nproc_per_node=cfg.world_size,
         fork=forks_workers(cfg.uses_gpus),

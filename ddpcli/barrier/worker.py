@@ -13,12 +13,13 @@ from ddpcli.barrier.rank import BarrierTimeout
 from ddpcli.barrier.run import run_rank
 from ddpcli.config import BarrierConfig
 from ddpcli.environments import read_launcher_env
-from ddpcli.errors import USAGE, DdpcliError
-from ddpcli.process import collect_then_freeze, exit_with_error, recorded
+from ddpcli.errors import USAGE, DdpcliError, said_by_rank
+from ddpcli.process import collect_then_freeze, die_with_parent, exit_with_error, recorded
 
 
 @recorded
 def main(argv: list[str]) -> None:
+    die_with_parent()
     cfg = BarrierConfig.model_validate_json(Path(argv[1]).read_text())
     env = read_launcher_env()
     if env is None:
@@ -30,7 +31,7 @@ def main(argv: list[str]) -> None:
         # Quiet: the launching process sums up what every rank left behind.
         os._exit(error.exit_code)  # the group is stuck: skip teardown that would wait on it
     except DdpcliError as error:
-        exit_with_error(f"rank {env.rank}: {error.message}", error.exit_code)
+        exit_with_error(said_by_rank(env.rank, error.message), error.exit_code)
 
 
 if __name__ == "__main__":

@@ -133,15 +133,18 @@ def bench_barrier(
         if launcher is not None and flags["nproc"] is None and flags["gpus"] is None:
             flags["nproc"] = launcher.world_size  # torchrun decided; --sleeps must match it
         cfg = build_barrier_config(flags)
-        from ddpcli.barrier import BarrierHang, run_bench
+        from ddpcli.launch import early_fork_server
 
-        on_start = None if json_output else (lambda: announce(cfg))
-        try:
-            report = run_bench(cfg, debug=_state["debug"], on_start=on_start)
-        except BarrierHang as hang:
-            if json_output:
-                ui.print_json(hang.report)
-            raise
+        with early_fork_server(cfg, launcher):  # it imports torch while this process does
+            from ddpcli.barrier import BarrierHang, run_bench
+
+            on_start = None if json_output else (lambda: announce(cfg))
+            try:
+                report = run_bench(cfg, debug=_state["debug"], on_start=on_start)
+            except BarrierHang as hang:
+                if json_output:
+                    ui.print_json(hang.report)
+                raise
         if report is None:  # a rank other than 0 under torchrun: rank 0 reports
             return
         if json_output:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import shlex
 import sys
 from pathlib import Path
@@ -13,6 +14,7 @@ from ddpcli import ui
 from ddpcli.cli.app import _state, app, run_command
 from ddpcli.cli.options import option, setting
 from ddpcli.config import TrainConfig
+from ddpcli.environments import LauncherEnv
 from ddpcli.errors import INTERRUPTED, RUNTIME, DdpcliError
 
 # --- train ----------------------------------------------------------------------------------
@@ -396,23 +398,44 @@ def train(
 
     def action() -> None:
         from ddpcli.config import build_train_config
-        from ddpcli.config.train import train_setting_origins, with_origins
         from ddpcli.environments import read_launcher_env
-        from ddpcli.errors import DdpcliError
-        from ddpcli.resolve import resolve_train_config
 
         launcher = read_launcher_env()
-        cfg = build_train_config(flags, recipe)
+        with contextlib.ExitStack() as command:  # what the command runs beside the launcher
+            launched = check_and_launch(build_train_config(flags, recipe), launcher, command)
+        if launched is None:
+            return
+        cfg, summary = launched
+        if summary.get("stopped"):
+            stopped = stopped_early(summary)
+            if launcher is not None and launcher.rank != 0:  # torchrun's ranks: rank 0 says it
+                raise SystemExit(stopped.exit_code)
+            raise stopped
+        report_training(cfg, summary, json_output)
+
+    def check_and_launch(
+        cfg: TrainConfig, launcher: LauncherEnv | None, command: contextlib.ExitStack
+    ) -> tuple[TrainConfig, dict[str, Any]] | None:
+        """Resolve and check the run, then launch it: the run's config and rank 0's summary
+        (None for a dry run, shown)."""
+        from ddpcli.config.train import train_setting_origins, with_origins
+        from ddpcli.errors import DdpcliError
+        from ddpcli.launch import early_fork_server
+        from ddpcli.resolve import checked_train_config, with_cpu_precision
+
         try:
-            cfg = resolve_train_config(cfg, launcher)
+            cfg = checked_train_config(cfg, launcher)  # no torch yet: a typo costs nothing
         except DdpcliError as error:  # name where each setting it names came from
             raise with_origins(error, train_setting_origins(flags, recipe)) from None
+        if not dry_run:  # CPU workers: their fork server imports torch beside us (ddpcli.fork)
+            command.enter_context(early_fork_server(cfg, launcher))
+        cfg = with_cpu_precision(cfg)
         from ddpcli.preflight import preflight
 
         built = preflight(cfg)  # the user's own code runs here first: exit 2 before workers
         if dry_run:
             show_config(cfg, json_output, built)
-            return
+            return None
         from ddpcli.checkpoint.schema import check_resume_source
         from ddpcli.launch import launch_train
         from ddpcli.runfolder import continue_after_requeue
@@ -420,18 +443,12 @@ def train(
         cfg = continue_after_requeue(cfg, launcher)
         check_resume_source(cfg)  # a bad --resume file: exit 2 now, before any worker starts
         try:
-            summary = launch_train(cfg, debug=_state["debug"])
+            return cfg, launch_train(cfg, debug=_state["debug"])
         except KeyboardInterrupt as stop:  # under torchrun this process was the rank itself
             record = getattr(stop, "record", None)  # ddpcli.stopping.Interrupted's
             if record is None:
                 raise
-            summary = record
-        if summary.get("stopped"):
-            stopped = stopped_early(summary)
-            if launcher is not None and launcher.rank != 0:  # torchrun's ranks: rank 0 says it
-                raise SystemExit(stopped.exit_code)
-            raise stopped
-        report_training(cfg, summary, json_output)
+            return cfg, record
 
     run_command(action)
 
