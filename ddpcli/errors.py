@@ -14,7 +14,8 @@ class DdpcliError(Exception):
         super().__init__(message)
         self.message = message
         self.exit_code = exit_code
-        # Found from values every rank shares (a reduced loss): one of them says it for all.
+        # Found from values every rank shares (a reduced loss, the data set's size): said
+        # once for all of them.
         self.every_rank = every_rank
 
 

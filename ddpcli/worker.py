@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import os
 import signal
 import sys
 from pathlib import Path
@@ -203,19 +204,21 @@ def main(argv: list[str]) -> None:
             end_quietly(RUNTIME)
         speaks = True
         if isinstance(error, DdpcliError) and error.every_rank:
-            speaks = says_agreed_stop(error, env, Path(argv[1]).with_name(AGREED_STOP_FILE))
+            speaks = says_agreed_stop(error, Path(argv[1]).with_name(AGREED_STOP_FILE))
         exit_for_error(error, env.rank, speaks)
 
 
-def says_agreed_stop(error: DdpcliError, env: LauncherEnv, record: Path) -> bool:
-    """A stop every rank found together (a non-finite loss) is said once per job, not once
-    per rank: rank 0 leaves it in RECORD (the launch's private folder) for the launcher to
-    say; every other node's first rank says it for that node. True where this rank must
-    say it itself."""
-    if env.rank != 0:
-        return env.local_rank == 0
+def says_agreed_stop(error: DdpcliError, record: Path) -> bool:
+    """A stop every rank found together (a non-finite loss, a batch larger than a shard) is
+    said once per node, not once per rank: each rank leaves the same words in RECORD (its
+    launcher's private folder; each replaces it whole) for its launcher to say. Not rank 0
+    alone: the agent may stop it before it gets there. True where this rank must say it
+    itself (the record could not be written)."""
+    words = ui.json_text({"failed": error.message, "exit_code": error.exit_code})
+    written = record.with_name(f".{record.name}.{os.getpid()}")
     try:
-        record.write_text(ui.json_text({"failed": error.message, "exit_code": error.exit_code}))
+        written.write_text(words)
+        os.replace(written, record)
     except OSError:
         return True
     return False

@@ -57,6 +57,7 @@ def test_a_nan_loss_stops_the_run_within_one_logging_interval(tmp_path):
     assert result.stdout == ""  # no summary of a failed run, and never a bare NaN
     found = NON_FINITE.search(result.stderr)
     assert found and found.group(2) == "at", result.stderr[-3000:]  # --log-every 1: that step
+    assert len(NON_FINITE.findall(result.stderr)) == 1  # every rank found it: said once
     assert "lower --lr (this run: 1e+09)" in result.stderr
     assert "no checkpoint had been saved yet" in result.stderr
     assert "Traceback" not in result.stderr
@@ -181,6 +182,7 @@ def test_a_per_process_batch_larger_than_a_shard_exits_2(tmp_path):
     assert "invalid --per-gpu-batch" in result.stderr  # ddpcli.data.pipeline says why
     assert "give each 2048, less than one batch of 100000" in result.stderr
     assert "--per-gpu-batch to 2048 or less" in result.stderr
+    assert result.stderr.count("invalid --per-gpu-batch") == 1  # both ranks found it: said once
     assert "Traceback" not in result.stderr
     assert not (out / "metrics.jsonl").exists()
 
