@@ -72,7 +72,8 @@ def fork_server(module: str) -> Iterator[str]:
         # torch takes most of a second to finish, and the launcher would wait for it.
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-        the_fork_server()._stop()
+        with contextlib.suppress(OSError):  # its socket may be gone with the temp folder
+            the_fork_server()._stop()
 
 
 def start_forked_worker(parent_pid: str, env: dict[str, str], module: str, *argv: str) -> None:
