@@ -18,7 +18,8 @@ in a forked child of a process that may have touched it.
 torch.distributed.elastic runs a function (instead of a program) through its
 MultiprocessContext; this module adapts that path to behave as the program path does:
 each worker in a session of its own, with Python's default signal handlers, dying with the
-launcher, and every failed rank reported, not only the first.
+launcher, every failed rank reported, not only the first, and no hang at the end when a
+worker is killed as it finishes.
 """
 
 from __future__ import annotations
@@ -139,11 +140,31 @@ def name_process(name: str) -> None:
         ctypes.CDLL(None).prctl(pr_set_name, name.encode()[:15], 0, 0, 0)
 
 
+class WorkersMayExit:
+    """The agent's word to its function workers that it has read their return values, so
+    they may exit (elastic's `_worker_finished_event`). A multiprocessing Event's set()
+    waits for every sleeping waiter to wake, so a worker killed as it waited hung the
+    launcher for good (torch's comment on it says as much). Here each worker takes a token
+    of a semaphore: set() never waits, and a dead worker's token is left unused."""
+
+    def __init__(self, context: Any, workers: int) -> None:
+        self._tokens = context.Semaphore(0)
+        self._workers = workers
+
+    def set(self) -> None:
+        for _ in range(self._workers):
+            self._tokens.release()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return bool(self._tokens.acquire(True, timeout))
+
+
 @contextlib.contextmanager
-def every_failure_reported() -> Iterator[None]:
-    """Elastic's function path reports only the first rank that failed; the program path
-    reports every rank that ended with an error, which is what tells a dead rank from the
-    ranks that only lost it. Swap in a context that does the same, for the launch."""
+def function_path_fixed() -> Iterator[None]:
+    """Elastic's function path, made to end as its program path does, for the launch:
+    - it reports only the first rank that failed; the program path reports every rank that
+      ended with an error, which is what tells a dead rank from the ranks that only lost it;
+    - its end could hang for good on a worker killed just as it finished (WorkersMayExit)."""
     from torch.distributed.elastic import multiprocessing as elastic_mp
     from torch.distributed.elastic.multiprocessing.api import (
         MultiprocessContext,
@@ -151,7 +172,13 @@ def every_failure_reported() -> Iterator[None]:
         RunProcsResult,
     )
 
-    class EveryFailureContext(MultiprocessContext):
+    class FixedContext(MultiprocessContext):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            context = multiprocessing.get_context(self.start_method)
+            # Elastic calls set() and wait() on it, which WorkersMayExit has; not an Event.
+            self._worker_finished_event = WorkersMayExit(context, self.nprocs)  # type: ignore[assignment]
+
         def _poll(self) -> RunProcsResult | None:
             result = super()._poll()
             if result is None or not result.failures or self._pc is None:
@@ -169,7 +196,7 @@ def every_failure_reported() -> Iterator[None]:
 
     # setattr: mypy refuses an assignment to a name it knows as a class.
     original = elastic_mp.MultiprocessContext
-    setattr(elastic_mp, "MultiprocessContext", EveryFailureContext)  # noqa: B010
+    setattr(elastic_mp, "MultiprocessContext", FixedContext)  # noqa: B010
     try:
         yield
     finally:

@@ -33,7 +33,7 @@ from ddpcli.errors import (
     runtime_error,
     usage_error,
 )
-from ddpcli.fork import every_failure_reported, fork_server, forks_workers, start_forked_worker
+from ddpcli.fork import fork_server, forks_workers, function_path_fixed, start_forked_worker
 from ddpcli.machine import cpu_count
 from ddpcli.membership import advertised_address, c10d_settings
 from ddpcli.process import AGREED_STOP_FILE, PARENT_PID_VARIABLE, freeze_imported_objects
@@ -305,7 +305,7 @@ def start_workers(job: WorkerJob, config: LaunchConfig, fork_server_pid: str | N
 
     try:
         if fork_server_pid is not None:
-            with every_failure_reported():
+            with function_path_fixed():
                 entry = elastic_launch(config, start_forked_worker)
                 entry(fork_server_pid, job.env, job.module, *job.args)
         else:

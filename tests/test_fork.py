@@ -6,11 +6,13 @@ failed rank reported, not only the first."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing.util
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -19,10 +21,10 @@ from torch.distributed.elastic import multiprocessing as elastic_mp
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 
 from ddpcli.fork import (
-    every_failure_reported,
     fork_server,
     fork_server_pid,
     forks_workers,
+    function_path_fixed,
     start_forked_worker,
 )
 
@@ -43,7 +45,8 @@ def main(argv: list[str]) -> None:
     }
     Path(record).write_text(json.dumps(seen))
     time.sleep(float(delay_s))
-    os._exit(int(code))
+    if code != "return":  # else back to elastic, which waits for the agent's word to exit
+        os._exit(int(code))
 
 
 def failed_ranks(folder: Path) -> dict[int, int]:
@@ -82,9 +85,47 @@ def failed_ranks(folder: Path) -> dict[int, int]:
 def test_every_failed_rank_is_reported_not_only_the_first(tmp_path):
     assert failed_ranks(tmp_path / "plain") == {0: 3}  # elastic's own function path
     original = elastic_mp.MultiprocessContext
-    with every_failure_reported():
+    with function_path_fixed():
         assert failed_ranks(tmp_path / "patched") == {0: 3, 1: -signal.SIGTERM}
     assert elastic_mp.MultiprocessContext is original
+
+
+@linux_only
+def test_a_worker_killed_as_it_finishes_does_not_hang_the_launcher(tmp_path):
+    """Both workers returned and wait for the agent's word to exit; one is killed there.
+    multiprocessing's Event.set() would then wait for it forever: the job hung after a
+    preemption when a rank was killed as it finished."""
+    records = [tmp_path / f"seen-{rank}" for rank in (0, 1)]
+    with fork_server(__name__) as server, function_path_fixed():
+        context = elastic_mp.start_processes(
+            name="fork-test",
+            entrypoint=start_forked_worker,
+            args={
+                rank: (server, {}, __name__, str(records[rank]), "return", "0") for rank in (0, 1)
+            },
+            envs={rank: {"RANK": str(rank)} for rank in (0, 1)},
+            logs_specs=DefaultLogsSpecs(log_dir=str(tmp_path)),
+            start_method="forkserver",
+        )
+        workers = context.pids()
+        try:
+            deadline = time.monotonic() + 60
+            while not all(r.exists() for r in records) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            time.sleep(1.0)  # both now wait for the word
+            os.kill(workers[1], signal.SIGKILL)
+            said = threading.Thread(target=context._worker_finished_event.set, daemon=True)
+            said.start()
+            said.join(timeout=10)
+            assert not said.is_alive(), "the agent's word waited for a killed worker"
+            result = context.wait(timeout=30, period=0.1)
+        finally:
+            for pid in workers.values():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+    assert result is not None and {r: f.exitcode for r, f in result.failures.items()} == {
+        1: -signal.SIGKILL
+    }
 
 
 @linux_only
