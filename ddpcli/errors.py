@@ -27,9 +27,10 @@ def runtime_error(message: str) -> DdpcliError:
     return DdpcliError(message, RUNTIME)
 
 
-def agreed_error(message: str) -> DdpcliError:
-    """A run-time stop every rank reaches at the same step, from the same reduced values."""
-    return DdpcliError(message, RUNTIME, every_rank=True)
+def agreed_error(message: str, exit_code: int = RUNTIME) -> DdpcliError:
+    """A stop every rank reaches alike, from the same values (a reduced loss, the data set's
+    size): said once for all of them."""
+    return DdpcliError(message, exit_code, every_rank=True)
 
 
 # What a rank's error says when another rank died or hung: its failure is a consequence.

@@ -144,7 +144,8 @@ def atomic_save(obj: Any, path: Path) -> str:
 
 
 def write_text_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
+    # A temporary name per process: several ranks may write the same file at once.
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     with open(tmp, "w") as handle:
         handle.write(text)
         handle.flush()

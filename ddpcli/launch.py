@@ -128,13 +128,9 @@ def early_fork_server(
     """For a command whose launch will fork its workers (CPU ranks, no outside launcher):
     the fork server, started once the flags are checked, so that it imports torch and the
     worker while the launcher does too and forms the job. It stops when the command ends."""
-    if isinstance(cfg, TrainConfig):
-        module, cpu = WORKER_MODULE, cfg.cpu
-    else:
-        module, cpu = BARRIER_WORKER_MODULE, not cfg.uses_gpus
-    if launcher is None and cpu and forks_workers(uses_gpus=False):
-        return fork_server(module)
-    return contextlib.nullcontext()
+    if launcher is not None or not forks_workers(cfg.uses_gpus):  # as the job decides
+        return contextlib.nullcontext()
+    return fork_server(WORKER_MODULE if isinstance(cfg, TrainConfig) else BARRIER_WORKER_MODULE)
 
 
 def worker_environment(

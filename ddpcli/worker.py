@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
-import os
 import signal
 import sys
 from pathlib import Path
@@ -35,6 +34,7 @@ from ddpcli.errors import (
     lost_a_peer,
     said_by_rank,
 )
+from ddpcli.files import write_text_atomic
 from ddpcli.machine import cpu_count
 from ddpcli.precision import auto_cpu_precision, auto_gpu_precision, native_cpu_bf16
 from ddpcli.process import (
@@ -215,10 +215,8 @@ def says_agreed_stop(error: DdpcliError, record: Path) -> bool:
     alone: the agent may stop it before it gets there. True where this rank must say it
     itself (the record could not be written)."""
     words = ui.json_text({"failed": error.message, "exit_code": error.exit_code})
-    written = record.with_name(f".{record.name}.{os.getpid()}")
     try:
-        written.write_text(words)
-        os.replace(written, record)
+        write_text_atomic(record, words)
     except OSError:
         return True
     return False

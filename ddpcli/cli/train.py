@@ -399,10 +399,13 @@ def train(
     def action() -> None:
         from ddpcli.config import build_train_config
         from ddpcli.environments import read_launcher_env
+        from ddpcli.launch import early_fork_server
 
         launcher = read_launcher_env()
-        with contextlib.ExitStack() as command:  # what the command runs beside the launcher
-            launched = check_and_launch(build_train_config(flags, recipe), launcher, command)
+        cfg = checked(build_train_config(flags, recipe), launcher)
+        # CPU workers: their fork server imports torch beside us (ddpcli.fork).
+        with contextlib.nullcontext() if dry_run else early_fork_server(cfg, launcher):
+            launched = resolve_and_launch(cfg, launcher)
         if launched is None:
             return
         cfg, summary = launched
@@ -413,24 +416,27 @@ def train(
             raise stopped
         report_training(cfg, summary, json_output)
 
-    def check_and_launch(
-        cfg: TrainConfig, launcher: LauncherEnv | None, command: contextlib.ExitStack
-    ) -> tuple[TrainConfig, dict[str, Any]] | None:
-        """Resolve and check the run, then launch it: the run's config and rank 0's summary
-        (None for a dry run, shown)."""
+    def checked(cfg: TrainConfig, launcher: LauncherEnv | None) -> TrainConfig:
+        """The run checked against the flags and the disk, before torch is imported: a typo
+        costs nothing. An error names where each setting it names came from."""
         from ddpcli.config.train import train_setting_origins, with_origins
         from ddpcli.errors import DdpcliError
-        from ddpcli.launch import early_fork_server
-        from ddpcli.resolve import checked_train_config, with_cpu_precision
+        from ddpcli.resolve import checked_train_config
 
         try:
-            cfg = checked_train_config(cfg, launcher)  # no torch yet: a typo costs nothing
-        except DdpcliError as error:  # name where each setting it names came from
+            return checked_train_config(cfg, launcher)
+        except DdpcliError as error:
             raise with_origins(error, train_setting_origins(flags, recipe)) from None
-        if not dry_run:  # CPU workers: their fork server imports torch beside us (ddpcli.fork)
-            command.enter_context(early_fork_server(cfg, launcher))
-        cfg = with_cpu_precision(cfg)
+
+    def resolve_and_launch(
+        cfg: TrainConfig, launcher: LauncherEnv | None
+    ) -> tuple[TrainConfig, dict[str, Any]] | None:
+        """Resolve what needs torch, check the rest, then launch: the run's config and rank
+        0's summary (None for a dry run, shown)."""
         from ddpcli.preflight import preflight
+        from ddpcli.resolve import with_cpu_precision
+
+        cfg = with_cpu_precision(cfg)
 
         built = preflight(cfg)  # the user's own code runs here first: exit 2 before workers
         if dry_run:

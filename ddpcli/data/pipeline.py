@@ -50,7 +50,7 @@ from ddpcli.data.sets import (
     view_set,
 )
 from ddpcli.dist import DistContext
-from ddpcli.errors import USAGE, DdpcliError
+from ddpcli.errors import USAGE, agreed_error
 
 # Image folders are normalised with ImageNet's statistics on both paths (as torchvision's
 # reference recipes do); the in-memory sets with their own, measured on the training split.
@@ -218,12 +218,11 @@ class DataPipeline:
         """Full batches only: each rank's share of the train split must fill one."""
         if self.steps_per_epoch() == 0:
             world, batch = self.ctx.world_size, self.cfg.per_gpu_batch
-            raise DdpcliError(
+            raise agreed_error(
                 f"invalid --per-gpu-batch: {self.train_size} train images over {world} "
                 f"rank(s) give each {self.shard_size()}, less than one batch of {batch}; "
                 f"lower --per-gpu-batch to {self.shard_size()} or less",
                 USAGE,
-                every_rank=True,  # every rank finds it: said once
             )
 
     @property
