@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import io
 import math
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ddpcli.errors import DdpcliError, usage_error
+from ddpcli.files import write_bytes_atomic
 from ddpcli.steplog import STEPS_FILE, read_rows
 
 CURVES_FILE = "curves.png"
@@ -166,12 +166,6 @@ def draw_run(axes, run: RunCurves, names: tuple[str, ...], color: str, several: 
             axes.plot(series.steps, series.values, "o--", color=color, label=label, ms=4, lw=1)
         else:
             axes.plot(series.steps, series.values, "-", color=color, label=label, lw=1.2)
-
-
-def write_bytes_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
 
 
 def draw_text(
