@@ -86,13 +86,20 @@ def die_with_parent() -> None:
     on as orphans. Ask the kernel to kill this worker when its parent dies (the agent, or
     the fork server, which ends with the agent: ddpcli.fork)."""
     parent = os.environ.get(PARENT_PID_VARIABLE)
-    if not parent or not sys.platform.startswith("linux"):
+    if parent:
+        die_with(int(parent))
+
+
+def die_with(parent_pid: int) -> None:
+    """SIGKILL from the kernel when this process's parent, PARENT_PID, dies; out at once if
+    it already has. Linux only: elsewhere nothing changes."""
+    if not sys.platform.startswith("linux"):
         return
     import ctypes
 
     pr_set_pdeathsig = 1
     ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
-    if os.getppid() != int(parent):  # the parent died before the line above
+    if os.getppid() != parent_pid:  # the parent died before the line above
         os._exit(1)
 
 

@@ -174,6 +174,21 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def write_noise_folder(root: Path, per_class: int) -> None:
+    """Three classes of small noise PNGs in each split (tests/test_data.py's folders hold
+    at most 28 images a class)."""
+    import torch
+    from PIL import Image
+
+    generator = torch.Generator().manual_seed(0)
+    for split in ("train", "val"):
+        for name in ("cat", "dog", "owl"):
+            (root / split / name).mkdir(parents=True)
+            for index in range(per_class):
+                pixels = torch.randint(0, 256, (16, 16, 3), dtype=torch.uint8, generator=generator)
+                Image.fromarray(pixels.numpy()).save(root / split / name / f"{index}.png")
+
+
 def run_on_read_only_mount(folder: Path, ddpcli_args: str, timeout: float = 90):
     """`python -m ddpcli ARGS` with FOLDER a read-only tmpfs, mounted in a mount namespace of
     the command's own (needs root and unshare; the test is skipped otherwise)."""

@@ -27,6 +27,7 @@ from conftest import (
     read_metrics,
     run_bounded,
     run_cli,
+    write_noise_folder,
 )
 
 from ddpcli.environments import read_launcher_env
@@ -205,6 +206,35 @@ def test_sigkill_mid_epoch_stops_every_worker_and_names_the_rank(tmp_path):
     assert "(then rank 0 stopped)" in run.stderr
     assert "Traceback" not in run.stderr
     assert not (out / "metrics.jsonl").exists() or len(read_metrics(out)) < 2
+    assert_no_worker_left(out)
+
+
+def test_a_killed_ranks_loader_workers_die_with_it_and_its_peers_stop_at_once(tmp_path):
+    """Loader workers are forked after the process group forms, so they hold their rank's
+    Gloo sockets: left alive after their rank was killed, they kept its peers waiting in a
+    collective until their own check of their parent ended them (10 s in all, not 1 s)."""
+    data, out = tmp_path / "folder", tmp_path / "run"
+    write_noise_folder(data, per_class=400)
+    args = [
+        "train", *TINY, "--dataset", "imagefolder", "--data-dir", str(data), "--data-path",
+        "loader", "--workers", "2", "--per-gpu-batch", "4", "--nproc", "2", "--epochs", "3",
+        "--log-every", "1", "--timeout", "60", "--out", str(out),
+    ]  # fmt: skip
+    with Background(*args) as run:
+        run.wait_for("epoch 1/3 step 2/")
+        loader_workers = descendants(child_workers(run.process.pid)[1])
+        assert len(loader_workers) == 2, loader_workers
+        run.kill_worker(1)
+        killed_at = time.monotonic()
+        while any(map(is_running, loader_workers)) and time.monotonic() - killed_at < 4:
+            time.sleep(0.05)
+        orphans = [pid for pid in loader_workers if is_running(pid)]
+        code = run.finish(timeout=60)
+        stopped_after = time.monotonic() - killed_at
+    assert not orphans, "the killed rank's loader workers outlived it"
+    assert code == 1, run.stderr[-3000:]
+    assert f"rank 1 on {socket.gethostname()} failed first: killed by SIGKILL" in run.stderr
+    assert stopped_after < 5, f"{stopped_after:.1f} s: {run.stderr[-3000:]}"
     assert_no_worker_left(out)
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import read_metrics, run_cli
+from conftest import read_metrics, run_cli, write_noise_folder
 from test_speed_paths import assert_same_batches, collect, context, pipeline, tiny_config
 
 from ddpcli.checkpoint.loading import safe_load
@@ -234,20 +234,6 @@ SETTINGS = [
     "--cpu", "--arch", "tinycnn", "--image-size", "16", "--per-gpu-batch", str(BATCH),
     "--epochs", "1", "--timeout", "60",
 ]  # fmt: skip
-
-
-def write_noise_folder(root: Path, per_class: int) -> None:
-    """Three classes of small noise PNGs in each split (tests/test_data.py's folders hold
-    at most 28 images a class)."""
-    from PIL import Image
-
-    generator = torch.Generator().manual_seed(0)
-    for split in ("train", "val"):
-        for name in ("cat", "dog", "owl"):
-            (root / split / name).mkdir(parents=True)
-            for index in range(per_class):
-                pixels = torch.randint(0, 256, (16, 16, 3), dtype=torch.uint8, generator=generator)
-                Image.fromarray(pixels.numpy()).save(root / split / name / f"{index}.png")
 
 
 def data_settings(data_path: str, root: Path) -> list[str]:

@@ -18,6 +18,7 @@ from ddpcli.data.decode import read_resized_crop, read_rgb, read_rgb_at_least
 from ddpcli.data.layout import Augment, Sample, resize_side
 from ddpcli.data.resharding import split_in_batches
 from ddpcli.data.sets import ImageSet, centre_view_at
+from ddpcli.process import die_with
 
 
 class KeyedImages(torch.utils.data.Dataset, abc.ABC):
@@ -168,6 +169,7 @@ class LoaderBatches:
             pin_memory=device.type == "cuda",
             persistent_workers=workers > 0,
             prefetch_factor=4 if workers else None,
+            worker_init_fn=functools.partial(die_with_rank, os.getpid()),
         )
         self.device = device
         self.mean = torch.tensor(mean, device=device).view(1, 3, 1, 1)
@@ -193,6 +195,14 @@ class LoaderBatches:
                 images.contiguous(memory_format=self.memory_format),
                 labels.to(self.device, non_blocking=True),
             )
+
+
+def die_with_rank(rank_pid: int, worker_id: int) -> None:
+    """A loader worker, forked after the process group formed, holds its rank's Gloo
+    sockets: alive after its rank is killed, it keeps them open, so the peers wait in a
+    collective until the worker's own check of its parent (every 5 s) ends it, instead of
+    failing at once. It dies with its rank."""
+    die_with(rank_pid)
 
 
 def default_workers(local_world_size: int) -> int:
