@@ -37,6 +37,10 @@ def agreed_error(message: str, exit_code: int = RUNTIME) -> DdpcliError:
 PEER_LOST = ("closed by peer", "reset by peer", "Broken pipe", "remote process exited")
 
 
+# A survivor's word when the agent stopped it because another rank failed (ddpcli.stopping).
+STOPPED_FOR_PEER = "stopped because another rank failed"
+
+
 def lost_a_peer(error_text: str) -> bool:
     return any(marker in error_text for marker in PEER_LOST)
 

@@ -25,6 +25,7 @@ from ddpcli.environments import LauncherEnv, read_launcher_env
 from ddpcli.errors import (
     INTERRUPTED,
     RUNTIME,
+    STOPPED_FOR_PEER,
     USAGE,
     DdpcliError,
     debug_requested,
@@ -36,6 +37,7 @@ from ddpcli.errors import (
 from ddpcli.fork import fork_server, forks_workers, function_path_fixed, start_forked_worker
 from ddpcli.machine import cpu_count
 from ddpcli.membership import advertised_address, c10d_settings
+from ddpcli.peer_failure import PEER_FAILED_FILE, peer_failures_noticed
 from ddpcli.process import AGREED_STOP_FILE, PARENT_PID_VARIABLE, freeze_imported_objects
 from ddpcli.resources import capacity_warnings
 from ddpcli.rollcall import (
@@ -180,6 +182,9 @@ class WorkerJob:
     min_nnodes: int | None = None
     rdzv_id: str | None = None
     ifname: str | None = None
+    # Touched by the agent before it stops the workers after one failed, for workers that
+    # take SIGTERM as a preemption (ddpcli.peer_failure); None: their SIGTERM ends them.
+    peer_failed_notice: Path | None = None
 
     @property
     def agent_port(self) -> int:
@@ -301,11 +306,13 @@ def start_workers(job: WorkerJob, config: LaunchConfig, fork_server_pid: str | N
 
     try:
         if fork_server_pid is not None:
-            with function_path_fixed():
+            # In this order: the notice is mixed into the fixed context.
+            with function_path_fixed(), peer_failures_noticed(job.peer_failed_notice):
                 entry = elastic_launch(config, start_forked_worker)
                 entry(fork_server_pid, job.env, job.module, *job.args)
         else:
-            elastic_launch(config, sys.executable)("-m", job.module, *job.args)
+            with peer_failures_noticed(job.peer_failed_notice):
+                elastic_launch(config, sys.executable)("-m", job.module, *job.args)
     except ChildFailedError as failure:
         collective_timeout = job.timeout_s if job.timeout_bounds_collectives else None
         raise describe_failure(failure, job.log_dir, collective_timeout) from None
@@ -478,6 +485,7 @@ def _launch_elastic(cfg: TrainConfig, debug: bool) -> dict[str, Any]:
             env={**train_environment(cfg), **({"DDPCLI_DEBUG": "1"} if debug else {})},
             log_dir=str(cfg.log_dir) if cfg.log_dir else None,
             settings=settings_every_node_shares(cfg),
+            peer_failed_notice=Path(private) / PEER_FAILED_FILE,
         )
         try:
             run_workers(job, debug)
@@ -629,9 +637,9 @@ def timed_out(failure: ProcessFailure) -> bool:
 
 def knock_on_effect(failure: ProcessFailure) -> str:
     """Why this failure is probably not the cause, or "" if it may be."""
-    if failure.exitcode == -signal.SIGTERM:
-        return "it was stopped because another rank failed"
     text = last_error_line(failure)
+    if failure.exitcode == -signal.SIGTERM or STOPPED_FOR_PEER in text:
+        return "it was stopped because another rank failed"
     if lost_a_peer(text):
         return (
             "it lost its connection to another rank, which most likely died first "

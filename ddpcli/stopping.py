@@ -7,6 +7,8 @@
   loss reduction, one small all-reduce lets all ranks agree to stop at the same optimizer
   step. No host sync is added to the other steps. The run then saves a mid-epoch checkpoint
   (as `--max-steps` does) and ends; a resume continues exactly from it.
+- The agent's SIGTERM after another rank failed: no preemption, the rank leaves at once
+  (ddpcli.peer_failure).
 """
 
 from __future__ import annotations
@@ -17,14 +19,17 @@ import os
 import signal
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
 from ddpcli.dist import DistContext, all_reduce_max
+from ddpcli.errors import RUNTIME, STOPPED_FOR_PEER
+from ddpcli.process import end_quietly, record_for_agent
 
 # A rank still running this long after the preemption signal is most likely stuck (in a
-# collective with a dead peer): print where, before the agent's SIGKILL (30 s) ends it.
+# collective with a peer that died on another node, whose agent could leave no notice
+# here): print where, before the agent's SIGKILL (30 s) ends it.
 STUCK_AFTER_S = 20.0
 
 
@@ -91,6 +96,8 @@ class Preemption:
     def _watch(self, read_end: int) -> None:
         while data := os.read(read_end, 64):
             if self.signum in data and not self.received.is_set():
+                if _failed_peer_noticed() and not self.agreed:  # not while saving for one
+                    leave_for_failed_peer()
                 self.received.set()
                 faulthandler.dump_traceback_later(STUCK_AFTER_S)
         os.close(read_end)
@@ -119,6 +126,27 @@ class Preemption:
         flag = torch.tensor([1.0 if self.received.is_set() else 0.0], device=ctx.device)
         self.agreed = bool(all_reduce_max(flag, ctx).item() > 0)
         return self.agreed
+
+
+_peer_failed_notice: Path | None = None
+
+
+def note_failed_peers(notice: Path) -> None:
+    """The agent touches NOTICE before it stops the other ranks after one failed: a rank
+    that finds it when the signal comes was not preempted, and leaves at once."""
+    global _peer_failed_notice
+    _peer_failed_notice = notice
+
+
+def _failed_peer_noticed() -> bool:
+    return _peer_failed_notice is not None and _peer_failed_notice.exists()
+
+
+def leave_for_failed_peer() -> NoReturn:
+    """Out now, from any thread, even while the main one waits in a collective: the job
+    has already failed, and the agent names the rank that did."""
+    record_for_agent(RuntimeError(STOPPED_FOR_PEER))
+    end_quietly(RUNTIME)
 
 
 _interrupted = threading.Event()

@@ -36,6 +36,7 @@ from ddpcli.errors import (
 )
 from ddpcli.files import write_text_atomic
 from ddpcli.machine import cpu_count
+from ddpcli.peer_failure import PEER_FAILED_FILE
 from ddpcli.precision import auto_cpu_precision, auto_gpu_precision, native_cpu_bf16
 from ddpcli.process import (
     AGREED_STOP_FILE,
@@ -48,7 +49,7 @@ from ddpcli.process import (
     record_for_agent,
     recorded,
 )
-from ddpcli.stopping import Interrupted, note_interrupts, was_interrupted
+from ddpcli.stopping import Interrupted, note_failed_peers, note_interrupts, was_interrupted
 from ddpcli.train import Trainer
 
 SUMMARY_FILE = "summary.json"
@@ -184,6 +185,7 @@ def main(argv: list[str]) -> None:
     # When the agent stops a stuck job (SIGTERM), say where this rank was waiting first.
     faulthandler.register(signal.SIGTERM, chain=True)
     note_interrupts()
+    note_failed_peers(Path(argv[1]).with_name(PEER_FAILED_FILE))
     cfg = TrainConfig.model_validate_json(Path(argv[1]).read_text())
     env = read_launcher_env()
     if env is None:

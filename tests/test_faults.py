@@ -124,8 +124,9 @@ class Background(LiveProcess):
     """`python -m ddpcli ARGS`, read as it runs. On leaving the block the launcher's
     process group and its workers (each in a session of its own) are killed."""
 
-    def __init__(self, *args: str, env: dict[str, str] | None = None):
-        super().__init__([sys.executable, "-m", "ddpcli", *args], env)
+    def __init__(self, *args: str, env: dict[str, str] | None = None, entry: str | None = None):
+        """ENTRY: a script to run instead of `-m ddpcli`."""
+        super().__init__([sys.executable, *([entry] if entry else ["-m", "ddpcli"]), *args], env)
 
     def wait_for(self, text: str, timeout: float = STARTUP_S) -> None:
         super().wait_for(text, timeout)
@@ -235,6 +236,44 @@ def test_a_killed_ranks_loader_workers_die_with_it_and_its_peers_stop_at_once(tm
     assert code == 1, run.stderr[-3000:]
     assert f"rank 1 on {socket.gethostname()} failed first: killed by SIGKILL" in run.stderr
     assert stopped_after < 5, f"{stopped_after:.1f} s: {run.stderr[-3000:]}"
+    assert_no_worker_left(out)
+
+
+# `ddpcli train` as a GPU job starts it: its workers run as programs, not forked.
+AS_PROGRAMS = """
+import sys
+import ddpcli.launch
+ddpcli.launch.forks_workers = lambda uses_gpus: False
+from ddpcli.cli import main
+sys.argv[0] = "ddpcli"
+main()
+"""
+
+
+@pytest.mark.parametrize("workers", ["forked", "programs"])
+def test_the_agents_sigterm_after_a_rank_died_is_no_preemption(tmp_path, workers):
+    """The agent stops the survivors with the preemption signal. A survivor that cannot
+    notice the dead rank (here: busy loading a batch; on GPUs: waiting in NCCL) took it as
+    a preemption, printed its stack after 20 s and was killed at 30 s."""
+    out = tmp_path / "run"
+    args = [*SHORT_RUN, "--nproc", "2", "--timeout", "120", "--out", str(out)]
+    entry = None
+    if workers == "programs":
+        entry = tmp_path / "as_programs.py"
+        entry.write_text(AS_PROGRAMS)
+    env = clean_env(DDPCLI_SLOW_DATA="0:60")  # rank 0 waits a minute for each batch
+    with Background("train", *args, env=env, entry=entry and str(entry)) as run:
+        run.wait_for("strategy ddp")
+        time.sleep(3)  # rank 0 is in the loop, waiting for its first batch
+        run.kill_worker(1)
+        killed_at = time.monotonic()
+        code = run.finish(timeout=90)
+        stopped_after = time.monotonic() - killed_at
+    assert code == 1, run.stderr[-3000:]
+    assert f"rank 1 on {socket.gethostname()} failed first: killed by SIGKILL" in run.stderr
+    assert "(then rank 0 stopped)" in run.stderr
+    assert "Thread 0x" not in run.stderr, "a stack dump: it waited as if preempted"
+    assert stopped_after < 15, f"{stopped_after:.1f} s: {run.stderr[-3000:]}"
     assert_no_worker_left(out)
 
 
