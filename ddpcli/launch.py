@@ -37,7 +37,7 @@ from ddpcli.errors import (
 from ddpcli.fork import fork_server, forks_workers, function_path_fixed, start_forked_worker
 from ddpcli.machine import cpu_count
 from ddpcli.membership import advertised_address, c10d_settings
-from ddpcli.peer_failure import PEER_FAILED_FILE, peer_failures_noticed
+from ddpcli.peer_failure import PEER_FAILED_FILE, failed_workers_handled
 from ddpcli.process import AGREED_STOP_FILE, PARENT_PID_VARIABLE, freeze_imported_objects
 from ddpcli.resources import capacity_warnings
 from ddpcli.rollcall import (
@@ -306,12 +306,12 @@ def start_workers(job: WorkerJob, config: LaunchConfig, fork_server_pid: str | N
 
     try:
         if fork_server_pid is not None:
-            # In this order: the notice is mixed into the fixed context.
-            with function_path_fixed(), peer_failures_noticed(job.peer_failed_notice):
+            # In this order: the handling is mixed into the fixed context.
+            with function_path_fixed(), failed_workers_handled(job.peer_failed_notice):
                 entry = elastic_launch(config, start_forked_worker)
                 entry(fork_server_pid, job.env, job.module, *job.args)
         else:
-            with peer_failures_noticed(job.peer_failed_notice):
+            with failed_workers_handled(job.peer_failed_notice):
                 elastic_launch(config, sys.executable)("-m", job.module, *job.args)
     except ChildFailedError as failure:
         collective_timeout = job.timeout_s if job.timeout_bounds_collectives else None

@@ -1,17 +1,23 @@
-"""The agent's SIGTERM after a rank failed, told apart from a scheduler's preemption.
+"""What the agent does when a worker fails, before it stops the others.
 
-`ddpcli train` takes SIGTERM as a preemption: checkpoint at the next agreed step, then stop
-(ddpcli.stopping). The elastic agent sends the same signal to the surviving workers when
-one of them dies, and a survivor stuck in a collective with the dead rank (NCCL need not
-notice a dead peer on the same node; a rank busy loading data has not yet reached one)
-then waited for the agent's SIGKILL, 30 s later, after printing its stack. So before the
-agent stops the survivors it touches a notice file beside their config, and a worker that
-finds the notice when the signal comes leaves at once.
+- It kills what the failed worker left behind: the rest of its process group (each worker
+  leads one). Its DataLoader workers, forked after its process group formed, hold copies of
+  its sockets: left alive, they kept the other ranks from seeing it go until their own
+  check of their parent (every 5 s), and outlived the job by as much.
+- It leaves a notice for workers that take SIGTERM as a preemption (`ddpcli train`:
+  checkpoint at the next agreed step, then stop; ddpcli.stopping). The agent stops the
+  surviving workers with that same signal, and a survivor stuck in a collective with the
+  dead rank (NCCL need not notice a dead peer on the same node; a rank busy loading data
+  has not yet reached one) waited for the agent's SIGKILL, 30 s later, after printing its
+  stack. The notice is a file beside their config; a worker that finds it when the signal
+  comes leaves at once.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,44 +26,48 @@ from typing import Any
 PEER_FAILED_FILE = "peer-failed"
 
 
-class NoticeBeforeStopping:
-    """Mixed into elastic's two process contexts (a worker forked or run as a program): the
-    poll that finds a failed worker stops the others, so the notice is touched before it."""
+class FailedWorkerHandling:
+    """Mixed into elastic's two process contexts (workers forked or run as programs): the
+    poll that finds a failed worker stops the others, so this comes just before it."""
 
-    notice: Path
+    notice: Path | None = None
 
     def _start(self) -> None:
-        self.notice.unlink(missing_ok=True)  # a restart: its workers start afresh
+        if self.notice is not None:
+            self.notice.unlink(missing_ok=True)  # a restart: its workers start afresh
         super()._start()  # type: ignore[misc]
 
     def _poll(self) -> Any:
-        if self._a_worker_failed():
+        failed = self._failed_worker_pids()
+        if failed and self.notice is not None:
             with contextlib.suppress(OSError):
                 self.notice.touch()
+        for pid in failed:
+            with contextlib.suppress(OSError):  # its group may be empty already
+                os.killpg(pid, signal.SIGKILL)
         return super()._poll()  # type: ignore[misc]
 
-    def _a_worker_failed(self) -> bool:
+    def _failed_worker_pids(self) -> list[int]:
         processes = getattr(self, "_pc", None)
         if processes is not None:  # forked: multiprocessing's processes
-            return any(p.exitcode not in (0, None) for p in processes.processes)
-        handlers = getattr(self, "subprocess_handlers", {})
-        return any(h.proc.poll() not in (0, None) for h in handlers.values())
+            return [p.pid for p in processes.processes if p.exitcode not in (0, None)]
+        handlers = getattr(self, "subprocess_handlers", {}).values()
+        return [h.proc.pid for h in handlers if h.proc.poll() not in (0, None)]
 
 
 @contextlib.contextmanager
-def peer_failures_noticed(notice: Path | None) -> Iterator[None]:
-    """While it lasts, the agent touches NOTICE before it stops the workers after one
-    failed (None: nothing changes). Patches the contexts elastic starts workers in."""
-    if notice is None:
-        yield
-        return
+def failed_workers_handled(notice: Path | None) -> Iterator[None]:
+    """While it lasts, the agent kills a failed worker's process group and touches NOTICE
+    (unless None) before it stops the other workers. Patches the contexts elastic starts
+    workers in."""
     from torch.distributed.elastic import multiprocessing as elastic_mp
 
     names = ("MultiprocessContext", "SubprocessContext")
     originals = {name: getattr(elastic_mp, name) for name in names}
     try:
         for name, base in originals.items():
-            setattr(elastic_mp, name, type(name, (NoticeBeforeStopping, base), {"notice": notice}))
+            mixed = type(name, (FailedWorkerHandling, base), {"notice": notice})
+            setattr(elastic_mp, name, mixed)
         yield
     finally:
         for name, base in originals.items():

@@ -12,13 +12,14 @@ import os
 import re
 import signal
 import socket
+import subprocess
 import sys
 import textwrap
 import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, LiveProcess, clean_env, run_cli
+from conftest import REPO, LiveProcess, clean_env, run_cli, tagged
 
 STARTUP_S = 90  # imports and rendezvous on a busy two-core machine
 
@@ -150,6 +151,53 @@ def test_a_failing_script_names_the_rank_that_failed_first(tmp_path, failure):
     assert "rank 0 on" not in result.stderr  # the rank that only lost its peer is not blamed
     assert "SignalException" not in result.stderr and "ChildFailedError" not in result.stderr
     assert_none_left(str(script))
+
+
+LOADER_THEN_SIGKILL = """
+    import os, signal
+    import torch
+    import torch.distributed as dist
+    dist.init_process_group("gloo")
+    loader = torch.utils.data.DataLoader(torch.arange(10_000), batch_size=4, num_workers=2)
+    for step, batch in enumerate(loader):
+        if dist.get_rank() == 1 and step == 20:
+            os.kill(os.getpid(), signal.SIGKILL)
+        dist.all_reduce(batch.float())
+"""
+
+
+def test_a_killed_ranks_dataloader_workers_do_not_outlive_the_job(tmp_path):
+    """They hold copies of the rank's sockets, and torch's own check of their parent
+    comes every 5 s: the agent kills the dead rank's process group as it notices."""
+    script = write_script(tmp_path, "loader_sigkill.py", LOADER_THEN_SIGKILL)
+    command = [sys.executable, "-m", "ddpcli", "launch", "--nproc", "2", str(script)]
+    # Output to a file, not a pipe: an orphan holding the pipe would delay the end we time.
+    with open(tmp_path / "stderr", "w+") as stderr:
+        code = subprocess.run(
+            command, stdout=subprocess.DEVNULL, stderr=stderr, env=tagged(clean_env(), command),
+            cwd=REPO, timeout=180, start_new_session=True,
+        ).returncode  # fmt: skip
+        left = running_with(str(script))
+        stderr.seek(0)
+        output = stderr.read()
+    assert code == 1, output[-3000:]
+    assert f"rank 1 on {socket.gethostname()} failed first: killed by SIGKILL" in output
+    assert not left, "DataLoader workers outlived the job"
+
+
+def running_with(marker: str) -> list[int]:
+    """Live processes (not zombies) whose environment names MARKER: run_cli tags the
+    launcher's, and every process of its job inherits it."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            environ = (entry / "environ").read_bytes().decode(errors="replace")
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if marker in environ and state != "Z" and int(entry.name) != os.getpid():
+            found.append(int(entry.name))
+    return found
 
 
 def stopped_in_mid_write(data, fp):
