@@ -33,7 +33,7 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
-from ddpcli.process import PARENT_PID_VARIABLE
+from ddpcli.process import PARENT_PID_VARIABLE, multiprocessing_sockets_fit
 
 # The signals elastic's agent catches (to pass on) and a forked child would inherit.
 _INHERITED_HANDLERS = (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1)
@@ -45,9 +45,10 @@ LAUNCHER_MAIN = "ddpcli.cli"
 
 
 def forks_workers(uses_gpus: bool) -> bool:
-    """Whether a job's workers are forked: CPU jobs on Linux. (macOS's system frameworks
-    are not safe to use in a forked child; Windows cannot fork.)"""
-    return not uses_gpus and sys.platform.startswith("linux")
+    """Whether a job's workers are forked: CPU jobs on Linux (macOS's system frameworks
+    are not safe to use in a forked child; Windows cannot fork), where the fork server's
+    socket fits in the temporary folder (else the workers start as programs)."""
+    return not uses_gpus and sys.platform.startswith("linux") and multiprocessing_sockets_fit()
 
 
 @contextlib.contextmanager

@@ -13,6 +13,7 @@ import gc
 import os
 import signal
 import sys
+import tempfile
 from collections.abc import Callable
 from typing import Any, NoReturn, TypeVar
 
@@ -78,6 +79,17 @@ def end_quietly(exit_code: int) -> NoReturn:
 
 # The process a worker dies with: the elastic agent, or the fork server it forks from.
 PARENT_PID_VARIABLE = "DDPCLI_PARENT_PID"
+
+
+# multiprocessing's sockets (the fork server's; a DataLoader worker's, handing a batch's
+# memory over) are TMPDIR/pymp-XXXXXXXX/listener-XXXXXXXX, and a UNIX socket's path holds
+# at most 107 bytes: a scheduler's long job folder as TMPDIR leaves no room for them.
+UNIX_SOCKET_PATH_MAX = 107
+ROOM_FOR_TMPDIR = UNIX_SOCKET_PATH_MAX - len("/pymp-XXXXXXXX/listener-XXXXXXXX")
+
+
+def multiprocessing_sockets_fit() -> bool:
+    return len(os.fsencode(tempfile.gettempdir())) <= ROOM_FOR_TMPDIR
 
 
 def die_with_parent() -> None:

@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 
 import pytest
-from conftest import run_cli, run_on_read_only_mount
+from conftest import run_cli, run_on_read_only_mount, write_noise_folder
 from test_faults import SHORT_RUN, TINY, Background, assert_no_worker_left, child_workers
 
 from ddpcli.config import TrainConfig
@@ -221,6 +221,26 @@ def test_a_run_leaves_nothing_in_the_temporary_directory(tmp_path):
     )  # fmt: skip
     assert failed.returncode == 1, failed.stderr[-3000:]
     assert left_in(temporary) == []
+
+
+def test_a_long_tmpdir_still_trains_and_a_loader_that_cannot_work_in_it_exits_2(tmp_path):
+    """A scheduler's job folder as TMPDIR can leave no room for multiprocessing's UNIX
+    sockets (107 bytes a path): the fork server failed with "AF_UNIX path too long", and
+    DataLoader workers could not hand a batch over, so every rank waited for good."""
+    temporary = tmp_path / ("job-folder-" + "x" * 80)
+    temporary.mkdir()
+    env = {"TMPDIR": str(temporary)}
+    ok = run_cli("train", *SHORT_RUN, "--out", str(tmp_path / "ok"), env=env, timeout=180)
+    assert ok.returncode == 0, ok.stderr[-3000:]  # its workers start as programs instead
+    assert left_in(temporary) == []
+    write_noise_folder(tmp_path / "folder", per_class=8)
+    folder = ["--dataset", "imagefolder", "--data-dir", str(tmp_path / "folder")]
+    args = [*TINY, *folder, "--nproc", "2", "--workers", "1", "--per-gpu-batch", "4"]
+    refused = run_cli("train", *args, "--out", str(tmp_path / "no"), env=env, timeout=180)
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    errors = [line for line in refused.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "TMPDIR" in errors[0] and "--workers 0" in errors[0], errors
+    assert "Traceback" not in refused.stderr
 
 
 # --- 6. Warnings before launch --------------------------------------------------------------

@@ -8,6 +8,7 @@ from __future__ import annotations
 import abc
 import functools
 import os
+import tempfile
 from typing import Any
 
 import torch
@@ -18,7 +19,8 @@ from ddpcli.data.decode import read_resized_crop, read_rgb, read_rgb_at_least
 from ddpcli.data.layout import Augment, Sample, resize_side
 from ddpcli.data.resharding import split_in_batches
 from ddpcli.data.sets import ImageSet, centre_view_at
-from ddpcli.process import die_with
+from ddpcli.errors import USAGE, DdpcliError, agreed_error
+from ddpcli.process import ROOM_FOR_TMPDIR, die_with, multiprocessing_sockets_fit
 
 
 class KeyedImages(torch.utils.data.Dataset, abc.ABC):
@@ -160,6 +162,8 @@ class LoaderBatches:
     names its batches' lengths (for_epoch)."""
 
     def __init__(self, dataset, batch_size, device, mean, std, workers, channels_last, drop_last):
+        if workers and not multiprocessing_sockets_fit():
+            raise tmpdir_too_long()
         self.batches = ShardBatches()
         self.batch_size, self.drop_last = batch_size, drop_last
         self.loader = torch.utils.data.DataLoader(
@@ -195,6 +199,18 @@ class LoaderBatches:
                 images.contiguous(memory_format=self.memory_format),
                 labels.to(self.device, non_blocking=True),
             )
+
+
+def tmpdir_too_long() -> DdpcliError:
+    """Else the workers' first batch never arrives: their socket cannot be made, and the
+    rank waits for it for good (every rank alike)."""
+    folder = tempfile.gettempdir()
+    return agreed_error(
+        f"TMPDIR {folder} is too long ({len(os.fsencode(folder))} bytes): DataLoader workers "
+        f"hand batches over through UNIX sockets made in it, which leave it {ROOM_FOR_TMPDIR} "
+        "bytes; set TMPDIR to a shorter folder (export TMPDIR=/tmp) or pass --workers 0",
+        USAGE,
+    )
 
 
 def die_with_rank(rank_pid: int, worker_id: int) -> None:
