@@ -63,6 +63,17 @@ def test_report_on_this_machine_with_loopback():
     assert any(iface["name"] == "lo" and iface["up"] for iface in document["interfaces"])
 
 
+def test_a_tmpdir_too_long_for_multiprocessings_sockets_is_a_warning(tmp_path):
+    long = tmp_path / ("job-folder-" + "x" * 80)
+    long.mkdir()
+    document = report(run_cli("check-env", "--json", env={"TMPDIR": str(long)}, timeout=60))
+    row = rows(document, "environment")["TMPDIR"]
+    assert row["status"] == "warn" and "DataLoader workers" in row["detail"], row
+    assert "export TMPDIR=/tmp" in row["fix"]
+    short = run_cli("check-env", "--json", env={"TMPDIR": "/tmp"}, timeout=60)
+    assert rows(report(short))["TMPDIR"]["status"] == "ok"
+
+
 def test_human_report_is_a_table_on_stderr():
     result = run_cli("check-env", "--master-port", str(free_port()), timeout=60)
     assert result.returncode in (0, 1)  # this machine's state is not the test's business

@@ -4,6 +4,9 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
+
 from ddpcli.checkenv.facts import (
     SOCKET_IFNAME_VARIABLES,
     Gpu,
@@ -19,6 +22,7 @@ from ddpcli.config.train import build_train_config
 from ddpcli.environments.pods import pet_variables
 from ddpcli.errors import DdpcliError, first_line
 from ddpcli.machine import check_interface
+from ddpcli.process import ROOM_FOR_TMPDIR, multiprocessing_sockets_fit
 
 
 def run_checks(options: CheckEnvOptions) -> Report:
@@ -247,14 +251,29 @@ def environment_rows(facts: NodeFacts, options: CheckEnvOptions) -> list[Row]:
             ok(
                 "distributed variables",
                 "none set (torchrun or SLURM sets RANK, WORLD_SIZE, MASTER_ADDR... per process)",
-            )
+            ),
+            tmpdir_row(),
         ]
     rows = [variable_row(name, value, facts.interfaces) for name, value in env.items()]
     if pet_variables(env):
         rows.append(pod_row(env))
     else:
         rows.extend(rank_consistency_rows(env))
-    return rows
+    return [*rows, tmpdir_row()]
+
+
+def tmpdir_row() -> Row:
+    """multiprocessing makes its UNIX sockets in the temporary folder (ddpcli.process)."""
+    folder = tempfile.gettempdir()
+    if multiprocessing_sockets_fit():
+        return ok("TMPDIR", f"{folder}: room for multiprocessing's sockets")
+    return warn(
+        "TMPDIR",
+        f"{folder} is {len(os.fsencode(folder))} bytes: multiprocessing's UNIX sockets in it "
+        "would pass 107 bytes, so DataLoader workers cannot hand batches over (a script's "
+        "loader waits for good; ddpcli train exits 2) and CPU workers start slower",
+        f"export TMPDIR=/tmp, or any folder of at most {ROOM_FOR_TMPDIR} bytes",
+    )
 
 
 def pod_row(env: dict[str, str]) -> Row:
