@@ -301,9 +301,10 @@ def test_world_size_is_not_checked_for_gloo():
 
 
 def test_no_distributed_variable_set():
-    (row,) = checks.environment_rows(node(), options())
+    row, tmpdir = checks.environment_rows(node(), options())
     assert row.name == "distributed variables" and row.status == "ok"
     assert row.detail.startswith("none set")
+    assert tmpdir.name == "TMPDIR"
 
 
 def test_each_variable_is_shown():
