@@ -305,13 +305,12 @@ def start_workers(job: WorkerJob, config: LaunchConfig, fork_server_pid: str | N
     from torch.distributed.launcher.api import elastic_launch
 
     try:
-        if fork_server_pid is not None:
-            # In this order: the handling is mixed into the fixed context.
-            with function_path_fixed(), failed_workers_handled(job.peer_failed_notice):
-                entry = elastic_launch(config, start_forked_worker)
-                entry(fork_server_pid, job.env, job.module, *job.args)
-        else:
-            with failed_workers_handled(job.peer_failed_notice):
+        with failed_workers_handled(job.peer_failed_notice):
+            if fork_server_pid is not None:
+                with function_path_fixed():
+                    entry = elastic_launch(config, start_forked_worker)
+                    entry(fork_server_pid, job.env, job.module, *job.args)
+            else:
                 elastic_launch(config, sys.executable)("-m", job.module, *job.args)
     except ChildFailedError as failure:
         collective_timeout = job.timeout_s if job.timeout_bounds_collectives else None

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO, LiveProcess, clean_env, run_cli, tagged
+from test_faults import is_running
 
 STARTUP_S = 90  # imports and rendezvous on a busy two-core machine
 
@@ -171,7 +172,7 @@ def test_a_killed_ranks_dataloader_workers_do_not_outlive_the_job(tmp_path):
     comes every 5 s: the agent kills the dead rank's process group as it notices."""
     script = write_script(tmp_path, "loader_sigkill.py", LOADER_THEN_SIGKILL)
     command = [sys.executable, "-m", "ddpcli", "launch", "--nproc", "2", str(script)]
-    # Output to a file, not a pipe: an orphan holding the pipe would delay the end we time.
+    # Output to a file, not a pipe: run_cli would wait for an orphan holding the pipe.
     with open(tmp_path / "stderr", "w+") as stderr:
         code = subprocess.run(
             command, stdout=subprocess.DEVNULL, stderr=stderr, env=tagged(clean_env(), command),
@@ -190,13 +191,15 @@ def running_with(marker: str) -> list[int]:
     launcher's, and every process of its job inherits it."""
     found = []
     for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
         try:
             environ = (entry / "environ").read_bytes().decode(errors="replace")
-            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except (OSError, IndexError):
+        except OSError:
             continue
-        if marker in environ and state != "Z" and int(entry.name) != os.getpid():
-            found.append(int(entry.name))
+        pid = int(entry.name)
+        if marker in environ and pid != os.getpid() and is_running(pid):
+            found.append(pid)
     return found
 
 
