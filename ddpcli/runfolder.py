@@ -22,14 +22,13 @@ import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
 from ddpcli import ui
 from ddpcli.config import TrainConfig
 from ddpcli.config.checkenv import DEFAULT_MASTER_PORT
 from ddpcli.environments import LauncherEnv, restarted_by
 from ddpcli.errors import usage_error
-from ddpcli.steplog import TENSORBOARD_DIR
+from ddpcli.steplog import TENSORBOARD_DIR, read_rows
 
 LOCK_FILE = ".lock"
 # What a run writes in --out; `--overwrite` removes these and nothing else.
@@ -179,7 +178,7 @@ def describe_earlier_run(out: Path) -> str | None:
     metrics_file, last = out / "metrics.jsonl", out / "checkpoints" / "last.pt"
     if not metrics_file.exists() and not last.exists():
         return None
-    epochs = read_epochs(metrics_file)
+    epochs = read_rows(metrics_file)
     planned = read_planned_epochs(out / "config.json")
     words = []
     if epochs:
@@ -197,20 +196,6 @@ def describe_earlier_run(out: Path) -> str | None:
     if last.exists():
         words.append("checkpoints/last.pt")
     return ", ".join(words)
-
-
-def read_epochs(path: Path) -> list[dict[str, Any]]:
-    try:
-        lines = path.read_text().splitlines()
-    except (OSError, UnicodeDecodeError):
-        return []
-    epochs = []
-    for line in lines:
-        with contextlib.suppress(ValueError):
-            record = json.loads(line)
-            if isinstance(record, dict):
-                epochs.append(record)
-    return epochs
 
 
 def read_planned_epochs(path: Path) -> int | None:

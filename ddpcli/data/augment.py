@@ -15,6 +15,7 @@ same box, in relative coordinates, from the stored resample of the whole image.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -77,6 +78,19 @@ def stream_seeds(seed: int, epoch: int, indices: torch.Tensor, stream: int) -> l
     offset = _signed((stream * 0x9E3779B97F4A7C15) & _MASK64)  # int64 wraps as uint64 would
     hashes = _mix(sample_hash(seed, epoch, indices.cpu()) + offset)
     return (hashes & ((1 << 63) - 1)).tolist()
+
+
+def each_image_seeded(
+    images: torch.Tensor, seeds: list[int], transform: Callable[[torch.Tensor], torch.Tensor]
+) -> torch.Tensor:
+    """TRANSFORM on each image alone, torch's generator seeded from its entry in SEEDS, and
+    the caller's generator state left as it was: on a batch, torchvision would draw once."""
+    with torch.random.fork_rng(devices=[]):
+        transformed = []
+        for image, image_seed in zip(images, seeds, strict=True):
+            torch.manual_seed(image_seed)
+            transformed.append(transform(image))
+    return torch.stack(transformed)
 
 
 def _unit_pair(words: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ddpcli.data.augment import STREAM_AUTO_AUGMENT, stream_seeds
+from ddpcli.data.augment import STREAM_AUTO_AUGMENT, each_image_seeded, stream_seeds
 
 POLICIES = ("ta_wide", "randaugment", "autoaugment")
 
@@ -39,9 +39,4 @@ def auto_augment_images(
     """uint8 (N, 3, H, W) -> uint8, each image through TRANSFORM with its own draws. One
     image at a time: on a batch torchvision would apply one operation to every image."""
     seeds = stream_seeds(seed, epoch, keys, STREAM_AUTO_AUGMENT)
-    with torch.random.fork_rng(devices=[]):
-        augmented = []
-        for image, image_seed in zip(images, seeds, strict=True):
-            torch.manual_seed(image_seed)
-            augmented.append(transform(image))
-    return torch.stack(augmented)
+    return each_image_seeded(images, seeds, transform)

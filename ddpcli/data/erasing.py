@@ -11,7 +11,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from ddpcli.data.augment import STREAM_ERASE, stream_seeds
+from ddpcli.data.augment import STREAM_ERASE, each_image_seeded, stream_seeds
 
 
 def erase_images(
@@ -21,13 +21,7 @@ def erase_images(
     from torchvision.transforms import v2
 
     eraser = v2.RandomErasing(p=probability, value=0)
-    seeds = stream_seeds(seed, epoch, keys, STREAM_ERASE)
-    with torch.random.fork_rng(devices=[]):
-        erased = []
-        for image, image_seed in zip(images, seeds, strict=True):
-            torch.manual_seed(image_seed)
-            erased.append(eraser(image))
-    return torch.stack(erased)
+    return each_image_seeded(images, stream_seeds(seed, epoch, keys, STREAM_ERASE), eraser)
 
 
 class ErasedBatches:
