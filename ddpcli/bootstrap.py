@@ -4,8 +4,10 @@
 Started as `python -m ddpcli.bootstrap [-m] TARGET ARGS...` by the elastic agent, with
 torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, ...). The script needs no change:
 no `@record`, no signal handling. An uncaught exception is printed as Python would print
-it and recorded in the agent's error file, so the launcher names it; SIGTERM (the agent
-stopping a stuck job) first dumps every thread's stack; Ctrl-C ends quietly.
+it and recorded in the agent's error file, so the launcher names it, except where it only
+says that another rank is gone (one line then: with 8 ranks, 7 such tracebacks buried the
+one that mattered); SIGTERM (the agent stopping the job) first writes every thread's stack
+to a file, from which the launcher says where the rank was; Ctrl-C ends quietly.
 
 Torch is imported only to record a failure: a script that never imports it stays light.
 """
@@ -14,13 +16,17 @@ from __future__ import annotations
 
 import faulthandler
 import os
+import re
 import runpy
 import signal
 import sys
 import traceback
+from pathlib import Path
+from typing import TextIO
 
-from ddpcli.errors import INTERRUPTED
+from ddpcli.errors import INTERRUPTED, TIMED_OUT, debug_requested, first_line, lost_a_peer
 from ddpcli.process import die_with_parent, record_for_agent
+from ddpcli.stacks import STACKS_FOLDER_VARIABLE, is_users_code, place_in_words, stack_file_name
 
 USAGE_TEXT = "usage: python -m ddpcli.bootstrap [-m] SCRIPT.py|MODULE [ARGS...]"
 
@@ -47,6 +53,54 @@ def print_user_traceback(error: BaseException) -> None:
     traceback.print_exception(type(error), error, frames or error.__traceback__)
 
 
+def print_failure(error: BaseException) -> None:
+    """A rank that failed only because of another one (it lost its connection to it, or gave
+    up waiting for it at a collective) says so in one line, with where it was: the launcher
+    names the rank that started it, whose traceback seven others buried on 8 GPUs.
+    DDPCLI_DEBUG=1 prints the traceback all the same."""
+    consequence = consequence_in_words(error)
+    if debug_requested() or not consequence:
+        print_user_traceback(error)
+        return
+    print(f"rank {os.environ.get('RANK', '?')} {consequence}", file=sys.stderr)
+
+
+def consequence_in_words(error: BaseException) -> str:
+    """What this rank's error says of another rank, or "" if it may be its own."""
+    text = str(error)
+    said = f"{users_place(error)} ({type(error).__name__}: {backend_gist(error)})"
+    if lost_a_peer(text):
+        return f"lost its connection to another rank{said}; the launcher names the first to fail"
+    if from_the_backend(error) and any(marker in text for marker in TIMED_OUT):
+        return f"gave up waiting for another rank{said}; the launcher names the one it waited for"
+    return ""
+
+
+def from_the_backend(error: BaseException) -> bool:
+    """Raised by torch.distributed's C++ side: a Dist*Error, or gloo's [file.cc:561] prefix."""
+    return type(error).__name__.startswith("Dist") or bool(BACKEND_PREFIX.match(str(error)))
+
+
+BACKEND_PREFIX = re.compile(r"\[[^\]]+\.(cc|cpp|h):\d+\] ")
+
+
+def backend_gist(error: BaseException) -> str:
+    """ "Connection closed by peer [10.0.0.2]:4803" out of gloo's or NCCL's long first line."""
+    line = BACKEND_PREFIX.sub("", first_line(error), count=1)
+    return line.split(". ")[0].rstrip(".")
+
+
+def users_place(error: BaseException) -> str:
+    """ " at train.py:42 in step(): dist.all_reduce(loss)", the script's innermost line."""
+    frames = traceback.extract_tb(error.__traceback__)
+    theirs = [frame for frame in frames if is_users_code({"file": frame.filename})]
+    if not theirs:
+        return ""
+    frame = theirs[-1]
+    where = {"file": frame.filename, "line": frame.lineno, "function": frame.name}
+    return f" at {place_in_words({**where, 'code': frame.line})}"
+
+
 def end_now(exit_code: int) -> None:
     """Out at once: atexit hooks of a failed script could wait on peers that are gone."""
     faulthandler.unregister(signal.SIGTERM)  # the agent's SIGTERM now is no news
@@ -55,9 +109,22 @@ def end_now(exit_code: int) -> None:
     os._exit(exit_code)
 
 
+def stack_output() -> TextIO:
+    """Where this rank writes its stack when the agent stops it: a file in the launcher's
+    folder, which its report turns into a line (ddpcli.stacks), else stderr."""
+    folder = os.environ.pop(STACKS_FOLDER_VARIABLE, "")  # not the script's business
+    if not folder:
+        return sys.stderr
+    try:
+        return open(Path(folder) / stack_file_name(int(os.environ["RANK"])), "w")  # noqa: SIM115
+    except (OSError, KeyError, ValueError):
+        return sys.stderr
+
+
 def main(argv: list[str]) -> None:
     die_with_parent()
-    faulthandler.register(signal.SIGTERM, chain=True)  # where a stopped rank was stuck
+    # Where a stopped rank was stuck. faulthandler keeps the file open for the process's life.
+    faulthandler.register(signal.SIGTERM, file=stack_output(), all_threads=True, chain=True)
     as_module = len(argv) > 1 and argv[1] == "-m"
     rest = argv[2:] if as_module else argv[1:]
     if not rest:
@@ -72,7 +139,7 @@ def main(argv: list[str]) -> None:
     except BaseException as error:
         # Failing already: the agent's SIGTERM to the others may reach this rank too.
         faulthandler.unregister(signal.SIGTERM)
-        print_user_traceback(error)
+        print_failure(error)
         record_for_agent(error)
         end_now(1)
 

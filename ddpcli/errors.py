@@ -37,6 +37,10 @@ def agreed_error(message: str, exit_code: int = RUNTIME) -> DdpcliError:
 PEER_LOST = ("closed by peer", "reset by peer", "Broken pipe", "remote process exited")
 
 
+# What a rank's error says when it gave up waiting at a collective.
+TIMED_OUT = ("Timed out", "timed out", "Timeout", "timeout")
+
+
 # A survivor's word when the agent stopped it because another rank failed (ddpcli.stopping).
 STOPPED_FOR_PEER = "stopped because another rank failed"
 

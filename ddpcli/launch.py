@@ -25,15 +25,13 @@ from ddpcli.environments import LauncherEnv, read_launcher_env
 from ddpcli.errors import (
     INTERRUPTED,
     RUNTIME,
-    STOPPED_FOR_PEER,
-    USAGE,
     DdpcliError,
     debug_requested,
     first_line,
-    lost_a_peer,
     runtime_error,
     usage_error,
 )
+from ddpcli.failure_report import describe_failure, newest_run_log_dir
 from ddpcli.fork import fork_server, forks_workers, function_path_fixed, start_forked_worker
 from ddpcli.machine import cpu_count
 from ddpcli.membership import advertised_address, c10d_settings
@@ -50,10 +48,10 @@ from ddpcli.rollcall import (
     open_store,
 )
 from ddpcli.runfolder import claim_run_folder
+from ddpcli.stacks import STACKS_FOLDER_VARIABLE
 
 if TYPE_CHECKING:  # torch is imported where a launch needs it, not with this module
     from torch.distributed import Store
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
     from torch.distributed.launcher.api import LaunchConfig
 
 WORKER_MODULE = "ddpcli.worker"
@@ -185,6 +183,9 @@ class WorkerJob:
     # Touched by the agent before it stops the workers after one failed, for workers that
     # take SIGTERM as a preemption (ddpcli.peer_failure); None: their SIGTERM ends them.
     peer_failed_notice: Path | None = None
+    # Workers that write their stack to a file when stopped (ddpcli.bootstrap), for the
+    # report to say where they were; else they print it (ddpcli.worker).
+    stacks_to_report: bool = False
 
     @property
     def agent_port(self) -> int:
@@ -294,12 +295,26 @@ def run_workers(job: WorkerJob, debug: bool = False) -> None:
         static_nodes = job.nnodes > 1 and job.rendezvous is None
         store = roll_call(job) if static_nodes else None  # noqa: F841 - keeps the server alive
         scratch = stack.enter_context(tempfile.TemporaryDirectory(prefix="ddpcli-agent-"))
-        start_workers(job, launch_config(job, scratch), server)
+        stacks = stacks_folder(job, Path(scratch))
+        start_workers(job, launch_config(job, scratch), server, stacks)
 
 
-def start_workers(job: WorkerJob, config: LaunchConfig, fork_server_pid: str | None) -> None:
+def stacks_folder(job: WorkerJob, scratch: Path) -> Path | None:
+    """Where the workers write their stacks when stopped, named to them by a variable."""
+    if not job.stacks_to_report:
+        return None
+    folder = scratch / "stacks"
+    folder.mkdir()
+    os.environ[STACKS_FOLDER_VARIABLE] = str(folder)
+    return folder
+
+
+def start_workers(
+    job: WorkerJob, config: LaunchConfig, fork_server_pid: str | None, stacks: Path | None = None
+) -> None:
     """Run the job's workers, forked from the fork server FORK_SERVER_PID or started as
-    new interpreters; a failure to start or finish becomes a DdpcliError."""
+    new interpreters; a failure to start or finish becomes a DdpcliError (which says where
+    stopped workers were, from the stacks they left in STACKS)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
@@ -314,7 +329,7 @@ def start_workers(job: WorkerJob, config: LaunchConfig, fork_server_pid: str | N
                 elastic_launch(config, sys.executable)("-m", job.module, *job.args)
     except ChildFailedError as failure:
         collective_timeout = job.timeout_s if job.timeout_bounds_collectives else None
-        raise describe_failure(failure, job.log_dir, collective_timeout) from None
+        raise describe_failure(failure, job.log_dir, collective_timeout, stacks) from None
     except SignalException as received:
         raise JobStopped(received.sigval) from None
     except Exception as error:  # rendezvous errors: the world never formed
@@ -536,166 +551,3 @@ def read_rank0_record(path: Path) -> dict[str, Any] | None:
 def train_environment(cfg: TrainConfig) -> dict[str, str]:
     gpus = cfg.gpus if cfg.uses_gpus else None
     return worker_environment(gpus, cfg.nproc_per_node, cfg.ifname)
-
-
-def describe_failure(
-    failure: ChildFailedError, log_dir: str | None = None, timeout_s: float | None = None
-) -> DdpcliError:
-    """Name the first rank that failed, how it ended, and the last lines it printed."""
-    rank, first = unresponsive_rank(failure) or first_cause(failure)
-    others = sorted(r for r in failure.failures if r != rank)
-    if stopped_responding(first, failure):
-        lines = [
-            f"rank {rank} on {socket.gethostname()} "
-            f"{unresponsive_in_words(others, first.exitcode, timeout_s)}"
-        ]
-    else:
-        consequence = knock_on_effect(first)
-        verb = "stopped" if consequence else "failed"
-        lines = [
-            f"rank {rank} on {socket.gethostname()} {verb} first: {exit_in_words(first.exitcode)}"
-        ]
-        if others:
-            lines[0] += f" (then {rank_list(others)} stopped)"
-        if consequence:
-            lines.append(f"  {consequence}")
-    detail = error_tail(first)
-    if detail:
-        lines.append(detail)
-    if log_dir:
-        lines.append(f"  its output: {rank_log(log_dir, first.local_rank)}")
-    code = USAGE if first.exitcode == USAGE else 1
-    return usage_error("\n".join(lines)) if code == USAGE else runtime_error("\n".join(lines))
-
-
-def rank_list(ranks: list[int]) -> str:
-    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
-
-
-def stopped_responding(first: ProcessFailure, failure: ChildFailedError) -> bool:
-    """Killed (SIGTERM, or SIGKILL when it could not act on that) no earlier than the others
-    gave up waiting for it at a collective: most likely the agent stopping a rank that was
-    hung or stopped, rather than the kernel out of memory. The two cannot be told apart for
-    sure, so the words say what was seen."""
-    if first.exitcode not in (-signal.SIGKILL, -signal.SIGTERM) or timed_out(first):
-        return False
-    others = [other for other in failure.failures.values() if other is not first]
-    waited = [other for other in others if timed_out(other)]
-    return bool(waited) and first.timestamp >= min(other.timestamp for other in waited)
-
-
-def unresponsive_rank(failure: ChildFailedError) -> tuple[int, ProcessFailure] | None:
-    """The lowest rank the others gave up waiting for, if any: the cause, though the ranks
-    that timed out ended first."""
-    for rank, process in sorted(failure.failures.items()):
-        if stopped_responding(process, failure):
-            return rank, process
-    return None
-
-
-def unresponsive_in_words(others: list[int], exitcode: int, timeout_s: float | None) -> str:
-    waited = f" for --timeout ({timeout_s:g} s)" if timeout_s else ""
-    if exitcode == -signal.SIGTERM:
-        end = (
-            "it was then stopped (SIGTERM); the stack it printed then shows where it was "
-            "(hung in a call, or never reaching the collective)"
-        )
-    else:
-        end = (
-            "it was then killed (SIGKILL) because it did not stop when asked, so it was most "
-            "likely hung or stopped (SIGSTOP, a debugger, a stuck I/O or device call)"
-        )
-    gave_up = f"{rank_list(others)} waited for it{waited} at a collective and gave up"
-    return f"stopped responding: {gave_up}; {end}"
-
-
-TIMED_OUT = ("Timed out", "timed out", "Timeout", "timeout")
-
-
-def first_cause(failure: ChildFailedError) -> tuple[int, ProcessFailure]:
-    """The rank whose failure started it all. The agent orders failures by a timestamp in
-    whole seconds, so a rank that only lost its peer, or that the agent stopped (SIGTERM),
-    can tie with the rank that really died and be named first."""
-
-    def order(item: tuple[int, ProcessFailure]) -> tuple[bool, int]:
-        return bool(knock_on_effect(item[1])), item[1].timestamp
-
-    return sorted(failure.failures.items(), key=order)[0]
-
-
-def last_error_line(failure: ProcessFailure) -> str:
-    """The exception itself, not the code in the traceback."""
-    lines = failure_text(failure).strip().splitlines()
-    return lines[-1] if lines else ""
-
-
-def timed_out(failure: ProcessFailure) -> bool:
-    """The rank gave up at a collective after --timeout."""
-    return any(marker in last_error_line(failure) for marker in TIMED_OUT)
-
-
-def knock_on_effect(failure: ProcessFailure) -> str:
-    """Why this failure is probably not the cause, or "" if it may be."""
-    text = last_error_line(failure)
-    if failure.exitcode == -signal.SIGTERM or STOPPED_FOR_PEER in text:
-        return "it was stopped because another rank failed"
-    if lost_a_peer(text):
-        return (
-            "it lost its connection to another rank, which most likely died first "
-            "(on another node: see that node's output)"
-        )
-    if timed_out(failure):
-        return (
-            "a collective did not finish within --timeout: another rank stopped responding "
-            "(a node down or hung, or the network between them)"
-        )
-    return ""
-
-
-def newest_run_log_dir(log_dir: str) -> Path:
-    """The agent writes LOG_DIR/<run id>_<random>/attempt_N/<local rank>/{stdout,stderr}.log."""
-    root = Path(log_dir)
-    runs = [path for path in root.iterdir() if path.is_dir()] if root.is_dir() else []
-    return max(runs, key=lambda path: path.stat().st_mtime) if runs else Path(log_dir)
-
-
-def rank_log(log_dir: str, local_rank: int) -> Path:
-    attempts = newest_run_log_dir(log_dir).glob("attempt_*")
-    base = max(attempts, key=lambda path: path.stat().st_mtime, default=Path(log_dir))
-    return base / str(local_rank) / "stderr.log"
-
-
-def exit_in_words(exitcode: int) -> str:
-    if exitcode < 0:
-        try:
-            name = signal.Signals(-exitcode).name
-        except ValueError:
-            name = f"signal {-exitcode}"
-        hint = " (most likely out of memory, or the scheduler)" if name == "SIGKILL" else ""
-        return f"killed by {name}{hint}"
-    return f"exit code {exitcode}"
-
-
-def failure_text(failure: ProcessFailure) -> str:
-    """The worker's recorded traceback or message, if it left one."""
-    # torch annotates `message` as str; it holds the error file's dict when the worker left one.
-    recorded: object = failure.message
-    message = recorded if isinstance(recorded, str) else ""
-    if isinstance(failure.error_file_data, dict):
-        message = failure.error_file_data.get("message", {})
-        if isinstance(message, dict):
-            extra = message.get("extraInfo", {}).get("py_callstack", "")
-            message = extra or message.get("message", "")
-    return str(message)
-
-
-def error_tail(failure: ProcessFailure, lines: int = 3) -> str:
-    """The end of the worker's recorded traceback, if it left one."""
-    # Python 3.11 underlines the failing expression with ^ and ~: no information here.
-    text = [line for line in failure_text(failure).strip().splitlines() if line.strip(" ^~")]
-    tail = text[-lines:]
-    if not tail or tail[-1] == "<NONE>" or "To enable traceback" in tail[-1]:
-        return ""
-    if tail[-1].startswith("Signal "):
-        return ""
-    return "\n".join(f"  {line}" for line in tail)

@@ -88,6 +88,7 @@ def script_job(cfg: ScriptLaunchConfig) -> WorkerJob:
         env=worker_environment(cfg.gpus, cfg.nproc_per_node, cfg.ifname),
         log_dir=cfg.log_dir,
         timeout_bounds_collectives=False,
+        stacks_to_report=True,
         # The nodes' agents compare these at the roll call: a job is one script, one size.
         settings={
             "script": " ".join([*target, *cfg.script_args]),

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, LiveProcess, clean_env, run_cli, tagged
+from conftest import REPO, LiveProcess, clean_env, free_port, run_cli, tagged
 from test_faults import is_running
 
 STARTUP_S = 90  # imports and rendezvous on a busy two-core machine
@@ -64,7 +64,20 @@ FAILURES = {
 EXPECTED = {
     "exception": ["rank 1 on {host} failed first: exit code 1", "ValueError: bad batch on rank 1"],
     "sigkill": ["rank 1 on {host} failed first: killed by SIGKILL"],
-    "stuck": ["rank 1 on {host} stopped responding: rank 0 waited for it", "(SIGTERM)"],
+    "stuck": [
+        "rank 1 on {host} stopped responding: rank 0 waited for it",
+        # From the stack it wrote when stopped (the script's line 6: textwrap keeps line 1)
+        "stopped (SIGTERM) while still at ",
+        "stuck.py:6 in <module>(): time.sleep(600)",
+    ],
+}
+# What rank 0, which only waited for rank 1 at the script's dist.barrier() (line 6, 7, 7),
+# says instead of a traceback: after rank 1's exception or death, if it fails before the
+# agent stops it (a race).
+SURVIVOR_SAYS = {
+    "exception": "lost its connection to another rank at {script}:6 in <module>(): ",
+    "sigkill": "lost its connection to another rank at {script}:7 in <module>(): ",
+    "stuck": "gave up waiting for another rank at {script}:7 in <module>(): ",
 }
 
 
@@ -151,6 +164,14 @@ def test_a_failing_script_names_the_rank_that_failed_first(tmp_path, failure):
         assert any(expected.format(host=host) in line for line in summary), result.stderr[-3000:]
     assert "rank 0 on" not in result.stderr  # the rank that only lost its peer is not blamed
     assert "SignalException" not in result.stderr and "ChildFailedError" not in result.stderr
+    # Only rank 1's own exception is a traceback; rank 0's consequence is a line at most.
+    tracebacks = result.stderr.count("Traceback (most recent call last)")
+    assert tracebacks == (1 if failure == "exception" else 0), result.stderr[-3000:]
+    said = [line for line in result.stderr.splitlines() if line.startswith("rank 0 ")]
+    at = "rank 0 " + SURVIVOR_SAYS[failure].format(script=script) + "dist.barrier() ("
+    assert all(line.startswith(at) for line in said), said
+    assert said or failure != "stuck", result.stderr[-3000:]  # there it times out for sure
+    assert "Current thread" not in result.stderr  # stacks go to the report, not the screen
     assert_none_left(str(script))
 
 
@@ -350,3 +371,41 @@ def test_a_workers_line_names_its_rank_once():
         "rank 2: could not join the process group"
     )
     assert said_by_rank(2, "MASTER_ADDR must be set") == "rank 2: MASTER_ADDR must be set"
+
+
+TWO_NODES_RANK_2_FAILS = """
+    import datetime, time
+    import torch, torch.distributed as dist
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    if dist.get_rank() == 2:
+        raise ValueError("bad batch on rank 2")
+    if dist.get_rank() == 1:
+        time.sleep(600)
+    if dist.get_rank() == 0:
+        dist.recv(torch.zeros(1), src=2)  # sees rank 2 go at once
+    dist.barrier()
+"""
+
+
+def test_a_node_without_the_cause_says_where_its_stopped_ranks_were(tmp_path):
+    """Two nodes on this machine. Node 1's rank 2 raises; node 0 only suffers: rank 0 loses
+    its connection, the agent stops rank 1 (SIGTERM, busy in its own code), and the report
+    says where rank 1 was, from the stack it wrote then."""
+    script = write_script(tmp_path, "two_nodes.py", TWO_NODES_RANK_2_FAILS)
+    port = str(free_port())
+    base = [sys.executable, "-m", "ddpcli", "launch", "--nnodes", "2", "--nproc", "2"]
+    where = ["--master-addr", "127.0.0.1", "--master-port", port, str(script)]
+    commands = [[*base, "--node-rank", str(node), *where] for node in (0, 1)]
+    started = [LiveProcess(command, clean_env()) for command in commands]
+    try:
+        codes = [node.finish(timeout=STARTUP_S + 60) for node in started]
+    finally:
+        for node in started:
+            node.kill()
+    node0, node1 = (node.stderr for node in started)
+    assert codes == [1, 1], node0[-2000:] + node1[-2000:]
+    assert f"rank 2 on {socket.gethostname()} failed first: exit code 1" in node1, node1[-2000:]
+    assert f"rank 2 on {socket.gethostname()}" not in node0, node0[-2000:]
+    stopped_at = f"error:   when stopped, rank 1 was at {script}:8 in <module>(): time.sleep(600)"
+    assert stopped_at in node0.splitlines(), node0[-2000:]
+    assert "Current thread" not in node0 + node1  # no stack on the screen

@@ -4,13 +4,12 @@ left behind, who waits where and who never arrived (and where it was last seen).
 from __future__ import annotations
 
 import json
-import linecache
-import re
 from pathlib import Path
 
 from ddpcli.barrier.rank import ranks_in_words
 from ddpcli.config import BarrierConfig
 from ddpcli.errors import RUNTIME, DdpcliError
+from ddpcli.stacks import first_frame
 
 
 class BarrierHang(DdpcliError):
@@ -21,8 +20,6 @@ class BarrierHang(DdpcliError):
         self.report = report
 
 
-FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<function>\S+)')
-THREAD_HEADER = re.compile(r"^(Thread 0x|Current thread 0x|Stack \(most recent call first\))")
 # Our own plumbing around a barrier: the place to report is the line that called it.
 BARRIER_PLUMBING = {"guarded_barrier", "device_barrier_until", "barrier_timeout"}
 
@@ -54,30 +51,11 @@ def where_rank_is(stack_file: Path) -> dict | None:
     """The line of our code a rank was at, from its faulthandler dump."""
     if not stack_file.exists():
         return None
-    for frames in thread_stacks(stack_file.read_text()):
-        if any(is_thread_start(frame) for frame in frames):
-            continue  # a helper thread, not the rank's main line
-        for frame in frames:  # most recent call first
-            if "/ddpcli/" in frame["file"] and frame["function"] not in BARRIER_PLUMBING:
-                return {**frame, "code": linecache.getline(frame["file"], frame["line"]).strip()}
-    return None
+    return first_frame(stack_file.read_text(), is_barrier_call)
 
 
-def is_thread_start(frame: dict) -> bool:
-    """threading.Thread's first frame. (A forked rank's main line starts in
-    multiprocessing's Process._bootstrap, of the same name.)"""
-    return frame["function"] == "_bootstrap" and frame["file"].endswith("threading.py")
-
-
-def thread_stacks(dump: str) -> list[list[dict]]:
-    stacks: list[list[dict]] = []
-    for line in dump.splitlines():
-        if THREAD_HEADER.match(line):
-            stacks.append([])
-        elif (match := FRAME.search(line)) and stacks:
-            frame = match.groupdict()
-            stacks[-1].append({**frame, "line": int(frame["line"])})
-    return stacks
+def is_barrier_call(frame: dict) -> bool:
+    return "/ddpcli/" in frame["file"] and frame["function"] not in BARRIER_PLUMBING
 
 
 def describe_hang(report: dict) -> str:

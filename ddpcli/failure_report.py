@@ -1,0 +1,223 @@
+"""How a failed job is reported: the rank that failed first (not one that only lost its
+peer, or that the agent stopped), how it ended in words, the last lines it left, and where
+the stopped ranks were.
+
+The agent's ChildFailedError orders failures by a timestamp in whole seconds; the rules
+here find the cause among them.
+"""
+
+from __future__ import annotations
+
+import signal
+import socket
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ddpcli.errors import (
+    STOPPED_FOR_PEER,
+    TIMED_OUT,
+    USAGE,
+    DdpcliError,
+    lost_a_peer,
+    runtime_error,
+    usage_error,
+)
+from ddpcli.stacks import place_in_words, stack_file_name, where_stopped
+
+if TYPE_CHECKING:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+
+def describe_failure(
+    failure: ChildFailedError,
+    log_dir: str | None = None,
+    timeout_s: float | None = None,
+    stacks: Path | None = None,
+) -> DdpcliError:
+    """Name the first rank that failed, how it ended, and the last lines it printed. STACKS:
+    the folder where the workers wrote their stacks when stopped (None: to their stderr)."""
+    rank, first = unresponsive_rank(failure) or first_cause(failure)
+    others = sorted(r for r in failure.failures if r != rank)
+    host = socket.gethostname()
+    consequence = ""
+    if stopped_responding(first, failure):
+        where = stopped_at(stacks, rank) if stacks else None
+        in_words = unresponsive_in_words(others, first.exitcode, timeout_s, stacks, where)
+        lines = [f"rank {rank} on {host} {in_words}"]
+    else:
+        consequence = knock_on_effect(first)
+        verb = "stopped" if consequence else "failed"
+        lines = [f"rank {rank} on {host} {verb} first: {exit_in_words(first.exitcode)}"]
+        if others:
+            lines[0] += f" (then {rank_list(others)} stopped)"
+        if consequence:
+            lines.append(f"  {consequence}")
+    detail = error_tail(first)
+    if detail:
+        lines.append(detail)
+    if log_dir:
+        lines.append(f"  its output: {rank_log(log_dir, first.local_rank)}")
+    if stacks and consequence:  # the cause is on another node: a stuck rank here stands out
+        lines.extend(places_of_stopped_ranks(failure, stacks))
+    code = USAGE if first.exitcode == USAGE else 1
+    return usage_error("\n".join(lines)) if code == USAGE else runtime_error("\n".join(lines))
+
+
+def rank_list(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+
+
+def stopped_responding(first: ProcessFailure, failure: ChildFailedError) -> bool:
+    """Killed (SIGTERM, or SIGKILL when it could not act on that) no earlier than the others
+    gave up waiting for it at a collective: most likely the agent stopping a rank that was
+    hung or stopped, rather than the kernel out of memory. The two cannot be told apart for
+    sure, so the words say what was seen."""
+    if first.exitcode not in (-signal.SIGKILL, -signal.SIGTERM) or timed_out(first):
+        return False
+    others = [other for other in failure.failures.values() if other is not first]
+    waited = [other for other in others if timed_out(other)]
+    return bool(waited) and first.timestamp >= min(other.timestamp for other in waited)
+
+
+def unresponsive_rank(failure: ChildFailedError) -> tuple[int, ProcessFailure] | None:
+    """The lowest rank the others gave up waiting for, if any: the cause, though the ranks
+    that timed out ended first."""
+    for rank, process in sorted(failure.failures.items()):
+        if stopped_responding(process, failure):
+            return rank, process
+    return None
+
+
+def unresponsive_in_words(
+    others: list[int],
+    exitcode: int,
+    timeout_s: float | None,
+    stacks: Path | None = None,
+    where: str | None = None,
+) -> str:
+    waited = f" for --timeout ({timeout_s:g} s)" if timeout_s else ""
+    if exitcode == -signal.SIGTERM and where:
+        end = f"it was then stopped (SIGTERM) while still at {where}"
+    elif exitcode == -signal.SIGTERM and stacks is None:
+        end = (
+            "it was then stopped (SIGTERM); the stack it printed then shows where it was "
+            "(hung in a call, or never reaching the collective)"
+        )
+    elif exitcode == -signal.SIGTERM:
+        end = "it was then stopped (SIGTERM): hung in a call, or never reaching the collective"
+    else:
+        end = (
+            "it was then killed (SIGKILL) because it did not stop when asked, so it was most "
+            "likely hung or stopped (SIGSTOP, a debugger, a stuck I/O or device call)"
+        )
+    gave_up = f"{rank_list(others)} waited for it{waited} at a collective and gave up"
+    return f"stopped responding: {gave_up}; {end}"
+
+
+def first_cause(failure: ChildFailedError) -> tuple[int, ProcessFailure]:
+    """The rank whose failure started it all. The agent orders failures by a timestamp in
+    whole seconds, so a rank that only lost its peer, or that the agent stopped (SIGTERM),
+    can tie with the rank that really died and be named first."""
+
+    def order(item: tuple[int, ProcessFailure]) -> tuple[bool, int]:
+        return bool(knock_on_effect(item[1])), item[1].timestamp
+
+    return sorted(failure.failures.items(), key=order)[0]
+
+
+def last_error_line(failure: ProcessFailure) -> str:
+    """The exception itself, not the code in the traceback."""
+    lines = failure_text(failure).strip().splitlines()
+    return lines[-1] if lines else ""
+
+
+def timed_out(failure: ProcessFailure) -> bool:
+    """The rank gave up at a collective after --timeout."""
+    return any(marker in last_error_line(failure) for marker in TIMED_OUT)
+
+
+def knock_on_effect(failure: ProcessFailure) -> str:
+    """Why this failure is probably not the cause, or "" if it may be."""
+    text = last_error_line(failure)
+    if failure.exitcode == -signal.SIGTERM or STOPPED_FOR_PEER in text:
+        return "it was stopped because another rank failed"
+    if lost_a_peer(text):
+        return (
+            "it lost its connection to another rank, which most likely died first "
+            "(on another node: see that node's output)"
+        )
+    if timed_out(failure):
+        return (
+            "a collective did not finish within --timeout: another rank stopped responding "
+            "(a node down or hung, or the network between them)"
+        )
+    return ""
+
+
+def newest_run_log_dir(log_dir: str) -> Path:
+    """The agent writes LOG_DIR/<run id>_<random>/attempt_N/<local rank>/{stdout,stderr}.log."""
+    root = Path(log_dir)
+    runs = [path for path in root.iterdir() if path.is_dir()] if root.is_dir() else []
+    return max(runs, key=lambda path: path.stat().st_mtime) if runs else Path(log_dir)
+
+
+def rank_log(log_dir: str, local_rank: int) -> Path:
+    attempts = newest_run_log_dir(log_dir).glob("attempt_*")
+    base = max(attempts, key=lambda path: path.stat().st_mtime, default=Path(log_dir))
+    return base / str(local_rank) / "stderr.log"
+
+
+def exit_in_words(exitcode: int) -> str:
+    if exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        hint = " (most likely out of memory, or the scheduler)" if name == "SIGKILL" else ""
+        return f"killed by {name}{hint}"
+    return f"exit code {exitcode}"
+
+
+def failure_text(failure: ProcessFailure) -> str:
+    """The worker's recorded traceback or message, if it left one."""
+    # torch annotates `message` as str; it holds the error file's dict when the worker left one.
+    recorded: object = failure.message
+    message = recorded if isinstance(recorded, str) else ""
+    if isinstance(failure.error_file_data, dict):
+        message = failure.error_file_data.get("message", {})
+        if isinstance(message, dict):
+            extra = message.get("extraInfo", {}).get("py_callstack", "")
+            message = extra or message.get("message", "")
+    return str(message)
+
+
+def error_tail(failure: ProcessFailure, lines: int = 3) -> str:
+    """The end of the worker's recorded traceback, if it left one."""
+    # Python 3.11 underlines the failing expression with ^ and ~: no information here.
+    text = [line for line in failure_text(failure).strip().splitlines() if line.strip(" ^~")]
+    tail = text[-lines:]
+    if not tail or tail[-1] == "<NONE>" or "To enable traceback" in tail[-1]:
+        return ""
+    if tail[-1].startswith("Signal "):
+        return ""
+    return "\n".join(f"  {line}" for line in tail)
+
+
+def stopped_at(stacks: Path, rank: int) -> str | None:
+    """Where RANK was when the agent stopped it, from the stack it wrote then (ddpcli.stacks)."""
+    frame = where_stopped(stacks / stack_file_name(rank))
+    return place_in_words(frame) if frame else None
+
+
+def places_of_stopped_ranks(failure: ChildFailedError, stacks: Path) -> list[str]:
+    """One line per place where the ranks the agent stopped were: ranks waiting together at
+    a collective share one; a rank stuck elsewhere has its own."""
+    places: dict[str, list[int]] = {}
+    for rank, process in sorted(failure.failures.items()):
+        if process.exitcode == -signal.SIGTERM and (where := stopped_at(stacks, rank)):
+            places.setdefault(where, []).append(rank)
+    verb = {True: "was", False: "were"}
+    return [
+        f"  when stopped, {rank_list(ranks)} {verb[len(ranks) == 1]} at {where}"
+        for where, ranks in places.items()
+    ]
