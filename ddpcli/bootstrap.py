@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import faulthandler
 import os
-import re
 import runpy
 import signal
 import sys
@@ -24,7 +23,13 @@ import traceback
 from pathlib import Path
 from typing import TextIO
 
-from ddpcli.errors import INTERRUPTED, TIMED_OUT, debug_requested, first_line, lost_a_peer
+from ddpcli.errors import (
+    INTERRUPTED,
+    backend_gist,
+    debug_requested,
+    gave_up_waiting,
+    lost_a_peer,
+)
 from ddpcli.process import die_with_parent, record_for_agent
 from ddpcli.stacks import STACKS_FOLDER_VARIABLE, is_users_code, place_in_words, stack_file_name
 
@@ -71,23 +76,9 @@ def consequence_in_words(error: BaseException) -> str:
     said = f"{users_place(error)} ({type(error).__name__}: {backend_gist(error)})"
     if lost_a_peer(text):
         return f"lost its connection to another rank{said}; the launcher names the first to fail"
-    if from_the_backend(error) and any(marker in text for marker in TIMED_OUT):
+    if gave_up_waiting(error):
         return f"gave up waiting for another rank{said}; the launcher names the one it waited for"
     return ""
-
-
-def from_the_backend(error: BaseException) -> bool:
-    """Raised by torch.distributed's C++ side: a Dist*Error, or gloo's [file.cc:561] prefix."""
-    return type(error).__name__.startswith("Dist") or bool(BACKEND_PREFIX.match(str(error)))
-
-
-BACKEND_PREFIX = re.compile(r"\[[^\]]+\.(cc|cpp|h):\d+\] ")
-
-
-def backend_gist(error: BaseException) -> str:
-    """ "Connection closed by peer [10.0.0.2]:4803" out of gloo's or NCCL's long first line."""
-    line = BACKEND_PREFIX.sub("", first_line(error), count=1)
-    return line.split(". ")[0].rstrip(".")
 
 
 def users_place(error: BaseException) -> str:

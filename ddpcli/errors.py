@@ -1,6 +1,7 @@
 """The one exception type users see: a message and the exit code it ends with."""
 
 import os
+import re
 
 USAGE = 2  # bad flag value, unreadable recipe, missing data, unknown GPU or interface
 RUNTIME = 1  # a rank died, a timeout, a collective failed
@@ -41,12 +42,36 @@ PEER_LOST = ("closed by peer", "reset by peer", "Broken pipe", "remote process e
 TIMED_OUT = ("Timed out", "timed out", "Timeout", "timeout")
 
 
-# A survivor's word when the agent stopped it because another rank failed (ddpcli.stopping).
+# A survivor's word when the agent stopped it because another rank failed (ddpcli.stopping),
+# followed by where it was: " while waiting at PLACE" (in a collective) or " while busy at PLACE".
 STOPPED_FOR_PEER = "stopped because another rank failed"
 
 
 def lost_a_peer(error_text: str) -> bool:
     return any(marker in error_text for marker in PEER_LOST)
+
+
+# gloo's errors begin with where in its C++ they were raised.
+BACKEND_PREFIX = re.compile(r"\[[^\]]+\.(cc|cpp|h):\d+\] ")
+
+
+def from_the_backend(error: BaseException) -> bool:
+    """Raised by torch.distributed's C++ side: a Dist*Error, gloo's [file.cc:561] prefix, or
+    the words gloo closes a timed-out pair with, which have none."""
+    text = str(error)
+    named = type(error).__name__.startswith("Dist") or "caused pair closure" in text
+    return named or bool(BACKEND_PREFIX.match(text))
+
+
+def gave_up_waiting(error: BaseException) -> bool:
+    """A collective timed out: the rank waited for another one that never came."""
+    return from_the_backend(error) and any(marker in str(error) for marker in TIMED_OUT)
+
+
+def backend_gist(error: BaseException) -> str:
+    """ "Connection closed by peer [10.0.0.2]:4803" out of gloo's or NCCL's long first line."""
+    line = BACKEND_PREFIX.sub("", first_line(error), count=1)
+    return line.split(". ")[0].rstrip(".")
 
 
 def said_by_rank(rank: int, message: str) -> str:

@@ -8,6 +8,7 @@ here find the cause among them.
 
 from __future__ import annotations
 
+import re
 import signal
 import socket
 from pathlib import Path
@@ -41,7 +42,7 @@ def describe_failure(
     host = socket.gethostname()
     consequence = ""
     if stopped_responding(first, failure):
-        where = stopped_at(stacks, rank) if stacks else None
+        where = stopped_place(rank, first, stacks)
         in_words = unresponsive_in_words(others, first.exitcode, timeout_s, stacks, where)
         lines = [f"rank {rank} on {host} {in_words}"]
     else:
@@ -52,12 +53,12 @@ def describe_failure(
             lines[0] += f" (then {rank_list(others)} stopped)"
         if consequence:
             lines.append(f"  {consequence}")
-    detail = error_tail(first)
+    detail = "" if busy_when_stopped(first) else error_tail(first)  # said above, if busy
     if detail:
         lines.append(detail)
     if log_dir:
         lines.append(f"  its output: {rank_log(log_dir, first.local_rank)}")
-    if stacks and consequence:  # the cause is on another node: a stuck rank here stands out
+    if consequence:  # the cause is on another node: a stuck rank here stands out
         lines.extend(places_of_stopped_ranks(failure, stacks))
     code = USAGE if first.exitcode == USAGE else 1
     return usage_error("\n".join(lines)) if code == USAGE else runtime_error("\n".join(lines))
@@ -72,7 +73,8 @@ def stopped_responding(first: ProcessFailure, failure: ChildFailedError) -> bool
     gave up waiting for it at a collective: most likely the agent stopping a rank that was
     hung or stopped, rather than the kernel out of memory. The two cannot be told apart for
     sure, so the words say what was seen."""
-    if first.exitcode not in (-signal.SIGKILL, -signal.SIGTERM) or timed_out(first):
+    stopped = first.exitcode in (-signal.SIGKILL, -signal.SIGTERM) and not timed_out(first)
+    if not (stopped or busy_when_stopped(first)):
         return False
     others = [other for other in failure.failures.values() if other is not first]
     waited = [other for other in others if timed_out(other)]
@@ -96,14 +98,14 @@ def unresponsive_in_words(
     where: str | None = None,
 ) -> str:
     waited = f" for --timeout ({timeout_s:g} s)" if timeout_s else ""
-    if exitcode == -signal.SIGTERM and where:
+    if exitcode != -signal.SIGKILL and where:  # SIGTERM, or a worker that left on it
         end = f"it was then stopped (SIGTERM) while still at {where}"
     elif exitcode == -signal.SIGTERM and stacks is None:
         end = (
             "it was then stopped (SIGTERM); the stack it printed then shows where it was "
             "(hung in a call, or never reaching the collective)"
         )
-    elif exitcode == -signal.SIGTERM:
+    elif exitcode != -signal.SIGKILL:
         end = "it was then stopped (SIGTERM): hung in a call, or never reaching the collective"
     else:
         end = (
@@ -203,18 +205,43 @@ def error_tail(failure: ProcessFailure, lines: int = 3) -> str:
     return "\n".join(f"  {line}" for line in tail)
 
 
+# What a worker that left on the agent's SIGTERM recorded of where it was (ddpcli.stopping).
+LEFT_FOR_PEER = re.compile(
+    re.escape(STOPPED_FOR_PEER) + r" while (?P<state>waiting|busy) at (?P<place>.+)"
+)
+
+
+def left_for_peer(process: ProcessFailure) -> re.Match[str] | None:
+    return LEFT_FOR_PEER.search(last_error_line(process))
+
+
+def busy_when_stopped(process: ProcessFailure) -> bool:
+    """It left on the agent's SIGTERM busy outside any collective: if the others gave up
+    waiting at one, it was the rank they waited for."""
+    left = left_for_peer(process)
+    return bool(left and left["state"] == "busy")
+
+
+def stopped_place(rank: int, process: ProcessFailure, stacks: Path | None) -> str | None:
+    """Where a rank the agent stopped was: as it recorded when it left, or from its stack."""
+    if left := left_for_peer(process):
+        return left["place"]
+    return stopped_at(stacks, rank) if stacks else None
+
+
 def stopped_at(stacks: Path, rank: int) -> str | None:
     """Where RANK was when the agent stopped it, from the stack it wrote then (ddpcli.stacks)."""
     frame = where_stopped(stacks / stack_file_name(rank))
     return place_in_words(frame) if frame else None
 
 
-def places_of_stopped_ranks(failure: ChildFailedError, stacks: Path) -> list[str]:
+def places_of_stopped_ranks(failure: ChildFailedError, stacks: Path | None) -> list[str]:
     """One line per place where the ranks the agent stopped were: ranks waiting together at
     a collective share one; a rank stuck elsewhere has its own."""
     places: dict[str, list[int]] = {}
     for rank, process in sorted(failure.failures.items()):
-        if process.exitcode == -signal.SIGTERM and (where := stopped_at(stacks, rank)):
+        stopped = process.exitcode == -signal.SIGTERM or left_for_peer(process)
+        if stopped and (where := stopped_place(rank, process, stacks)):
             places.setdefault(where, []).append(rank)
     verb = {True: "was", False: "were"}
     return [

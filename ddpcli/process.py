@@ -10,14 +10,19 @@ import contextlib
 import faulthandler
 import functools
 import gc
+import json
 import os
 import signal
 import sys
 import tempfile
+import time
+import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
 from ddpcli import ui
+from ddpcli.files import write_text_atomic
 
 Returns = TypeVar("Returns")
 
@@ -117,28 +122,27 @@ def die_with(parent_pid: int) -> None:
 
 @functools.cache
 def _whole_file_error_handler() -> Any:
-    """Elastic's ErrorHandler, writing the error file whole or not at all. Elastic writes it
-    in place, and after the first failure it stops the other ranks and reads each one's
-    file: a rank stopped in mid-write leaves an empty or cut file, on which elastic raises
-    JSONDecodeError instead of reporting the job. A file renamed into place is complete."""
+    """Elastic's ErrorHandler, writing the error file whole or not at all, with the error's
+    own traceback. Elastic writes it in place, and after the first failure it stops the other
+    ranks and reads each one's file: a rank stopped in mid-write left an empty or cut file, on
+    which elastic raised JSONDecodeError instead of reporting the job. And it takes the
+    traceback from sys.exc_info(), which is "NoneType: None" for an error recorded outside
+    its except block (a rank's watcher thread leaving for a failed peer)."""
     from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
     class WholeFileErrorHandler(ErrorHandler):
-        writing_to: str | None = None
-
-        def _get_error_file_path(self) -> str | None:
-            return self.writing_to or super()._get_error_file_path()
-
         def record_exception(self, e: BaseException) -> None:
-            final = super()._get_error_file_path()
-            if not final:
-                return super().record_exception(e)
-            self.writing_to = partial = f"{final}.partial"
-            try:
-                super().record_exception(e)
-            finally:
-                self.writing_to = None
-            os.replace(partial, final)
+            error_file = self._get_error_file_path()
+            if not error_file:
+                return super().record_exception(e)  # no file to write: elastic logs it
+            said = {
+                "message": f"{type(e).__name__}: {e}",
+                "extraInfo": {
+                    "py_callstack": "".join(traceback.format_exception(e)),
+                    "timestamp": str(int(time.time())),
+                },
+            }
+            write_text_atomic(Path(error_file), json.dumps({"message": said}))
 
     return WholeFileErrorHandler()
 

@@ -11,7 +11,10 @@ import contextlib
 import linecache
 import os
 import re
+import sys
 import sysconfig
+import threading
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 
@@ -76,6 +79,31 @@ def is_users_code(frame: Frame) -> bool:
     return not file.startswith("<") and not file.startswith(library_folders())
 
 
+def is_ddpcli_or_users_code(frame: Frame) -> bool:
+    return frame["file"].startswith(str(Path(__file__).parent) + os.sep) or is_users_code(frame)
+
+
+# Where a rank waits for its peers: torch.distributed's calls, and backward, where DDP's
+# gradient all-reduce is waited for.
+COLLECTIVE_CODE = tuple(
+    os.sep + os.path.join("torch", part) + os.sep for part in ("distributed", "autograd")
+)
+
+
+def main_thread_now() -> tuple[Frame | None, bool]:
+    """Read from another thread: the innermost line of ddpcli's or the user's code the main
+    thread is at, and whether the calls it made from there wait at a collective."""
+    frame = sys._current_frames().get(threading.main_thread().ident or -1)
+    inner_calls: list[str] = []  # the files of the library calls made from that line
+    for call in traceback.extract_stack(frame)[::-1] if frame else []:
+        place: Frame = {"file": call.filename, "line": call.lineno, "function": call.name}
+        if is_ddpcli_or_users_code(place):
+            waiting = any(part in file for file in inner_calls for part in COLLECTIVE_CODE)
+            return {**place, "code": call.line}, waiting
+        inner_calls.append(call.filename)
+    return None, False
+
+
 def where_stopped(stack_file: Path) -> Frame | None:
     """The line of the user's code a stopped worker was at (or, if none of its frames is
     theirs, its most recent one); None if it left no stack."""
@@ -88,7 +116,10 @@ def where_stopped(stack_file: Path) -> Frame | None:
 
 def place_in_words(frame: Frame) -> str:
     file = frame["file"]
-    with contextlib.suppress(ValueError):  # a script given by its full path, said shorter
-        file = str(Path(file).relative_to(Path.cwd()))
+    package_parent = Path(__file__).parent.parent
+    for base in (Path.cwd(), package_parent):  # a full path said shorter: train.py, ddpcli/...
+        with contextlib.suppress(ValueError):
+            file = str(Path(file).relative_to(base))
+            break
     code = f": {frame['code']}" if frame.get("code") else ""
     return f"{file}:{frame['line']} in {frame['function']}(){code}"

@@ -26,6 +26,7 @@ import torch
 from ddpcli.dist import DistContext, all_reduce_max
 from ddpcli.errors import RUNTIME, STOPPED_FOR_PEER
 from ddpcli.process import end_quietly, record_for_agent
+from ddpcli.stacks import main_thread_now, place_in_words
 
 # A rank still running this long after the preemption signal is most likely stuck (in a
 # collective with a peer that died on another node, whose agent could leave no notice
@@ -144,8 +145,12 @@ def _failed_peer_noticed() -> bool:
 
 def leave_for_failed_peer() -> NoReturn:
     """Out now, from any thread, even while the main one waits in a collective: the job
-    has already failed, and the agent names the rank that did."""
-    record_for_agent(RuntimeError(STOPPED_FOR_PEER))
+    has already failed, and the agent names the rank that did. Where the main thread was
+    goes with it: a rank busy outside any collective when the others gave up waiting is the
+    one they waited for (ddpcli.failure_report)."""
+    place, waiting = main_thread_now()
+    where = f" while {'waiting' if waiting else 'busy'} at {place_in_words(place)}" if place else ""
+    record_for_agent(RuntimeError(STOPPED_FOR_PEER + where))
     end_quietly(RUNTIME)
 
 

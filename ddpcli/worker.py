@@ -31,6 +31,7 @@ from ddpcli.errors import (
     DdpcliError,
     debug_requested,
     first_line,
+    gave_up_waiting,
     lost_a_peer,
     said_by_rank,
 )
@@ -200,8 +201,9 @@ def main(argv: list[str]) -> None:
             end_interrupted(None, env, cfg)
         if debug_requested() and not isinstance(error, DdpcliError):
             raise  # @recorded prints the traceback and hands it to the agent
-        if not isinstance(error, DdpcliError) and lost_a_peer(str(error)):
-            # A consequence: the launcher names the rank that failed first, and why.
+        if not isinstance(error, DdpcliError) and (
+            lost_a_peer(str(error)) or gave_up_waiting(error)
+        ):  # A consequence: the launcher names the rank that failed first, and why.
             record_for_agent(error)
             end_quietly(RUNTIME)
         speaks = True

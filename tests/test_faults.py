@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -274,6 +275,34 @@ def test_the_agents_sigterm_after_a_rank_died_is_no_preemption(tmp_path, workers
     assert "(then rank 0 stopped)" in run.stderr
     assert "Thread 0x" not in run.stderr, "a stack dump: it waited as if preempted"
     assert stopped_after < 15, f"{stopped_after:.1f} s: {run.stderr[-3000:]}"
+    assert_no_worker_left(out)
+
+
+@pytest.mark.parametrize("workers", ["forked", "programs"])
+def test_a_rank_stuck_outside_any_collective_is_named_with_where_it_was(tmp_path, workers):
+    """Rank 1 waits a minute for each batch; rank 0 gives up at the all-reduce after
+    --timeout. The agent's SIGTERM then finds rank 1 busy outside any collective, and the
+    report names it as the rank rank 0 waited for, with its line. (Taken as leaving for a
+    failed peer, it was reported as "failed first: exit code 1" with "NoneType: None".)"""
+    out = tmp_path / "run"
+    args = [*SHORT_RUN, "--nproc", "2", "--timeout", "5", "--out", str(out)]
+    entry = None
+    if workers == "programs":
+        entry = tmp_path / "as_programs.py"
+        entry.write_text(AS_PROGRAMS)
+    env = clean_env(DDPCLI_SLOW_DATA="1:60")
+    with Background("train", *args, env=env, entry=entry and str(entry)) as run:
+        code = run.finish(timeout=STARTUP_S + 60)
+    host = socket.gethostname()
+    said = [line for line in run.stderr.splitlines() if line.startswith("error:")]
+    assert code == 1, run.stderr[-3000:]
+    expected = re.escape(
+        f"error: rank 1 on {host} stopped responding: rank 0 waited for it for --timeout (5 s) "
+        "at a collective and gave up; it was then stopped (SIGTERM) while still at "
+        "ddpcli/data/pipeline.py:LINE in __iter__(): time.sleep(self.seconds)"
+    ).replace("LINE", r"\d+")
+    # Rank 0's own timeout is no news: the report's one line says it.
+    assert len(said) == 1 and re.fullmatch(expected, said[0]), run.stderr[-3000:]
     assert_no_worker_left(out)
 
 

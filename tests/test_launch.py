@@ -224,9 +224,8 @@ def running_with(marker: str) -> list[int]:
     return found
 
 
-def stopped_in_mid_write(data, fp):
-    """json.dump as a SIGTERM would leave it: part of the file, then the end of the process."""
-    fp.write("{")
+def stopped_in_mid_write(fd: int) -> None:
+    """The end of the process (a SIGTERM) after part of the file is written, before the rest."""
     raise SystemExit(143)
 
 
@@ -234,14 +233,15 @@ def stopped_in_mid_write(data, fp):
 def test_a_rank_leaves_its_error_file_whole_or_not_at_all(tmp_path, monkeypatch, write):
     """After the first failure the agent stops the other ranks and parses each one's error
     file: a cut file made it raise JSONDecodeError instead of naming the rank (seen in CI)."""
-    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure, error_handler
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
+    from ddpcli import files
     from ddpcli.process import record_for_agent
 
     error_file = tmp_path / "error.json"
     monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
     if write != "whole":
-        monkeypatch.setattr(error_handler.json, "dump", stopped_in_mid_write)
+        monkeypatch.setattr(files.os, "fsync", stopped_in_mid_write)
     try:
         raise ValueError("bad batch")
     except ValueError as error:
@@ -251,9 +251,26 @@ def test_a_rank_leaves_its_error_file_whole_or_not_at_all(tmp_path, monkeypatch,
     failure = ProcessFailure(local_rank=0, pid=1, exitcode=1, error_file=str(error_file))
     if write == "whole":
         assert failure.message["message"] == "ValueError: bad batch"
+        assert 'raise ValueError("bad batch")' in failure.message["extraInfo"]["py_callstack"]
     else:
         assert not error_file.exists()  # the agent reports the signal, not a parse error
         assert failure.error_file_data["errorTraits"]["category"] == "system_terminated_error"
+    assert list(tmp_path.iterdir()) == ([error_file] if write == "whole" else [])
+
+
+def test_an_error_recorded_outside_its_except_block_keeps_its_words(tmp_path, monkeypatch):
+    """A rank's watcher thread records a made-up error (leaving for a failed peer): elastic's
+    own handler wrote sys.exc_info()'s "NoneType: None" for it, and the report lost it."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from ddpcli.process import record_for_agent
+
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    record_for_agent(RuntimeError("stopped because another rank failed"))
+    failure = ProcessFailure(local_rank=0, pid=1, exitcode=1, error_file=str(error_file))
+    callstack = failure.message["extraInfo"]["py_callstack"]
+    assert callstack.strip() == "RuntimeError: stopped because another rank failed"
 
 
 @pytest.mark.parametrize(
