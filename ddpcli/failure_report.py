@@ -69,10 +69,11 @@ def rank_list(ranks: list[int]) -> str:
 
 
 def stopped_responding(first: ProcessFailure, failure: ChildFailedError) -> bool:
-    """Killed (SIGTERM, or SIGKILL when it could not act on that) no earlier than the others
-    gave up waiting for it at a collective: most likely the agent stopping a rank that was
-    hung or stopped, rather than the kernel out of memory. The two cannot be told apart for
-    sure, so the words say what was seen."""
+    """Killed (SIGTERM, or SIGKILL when it could not act on that), or gone on the SIGTERM
+    while busy outside any collective, no earlier than the others gave up waiting for it at
+    a collective: most likely the agent stopping a rank that was hung or stopped, rather
+    than the kernel out of memory. The two cannot be told apart for sure, so the words say
+    what was seen."""
     stopped = first.exitcode in (-signal.SIGKILL, -signal.SIGTERM) and not timed_out(first)
     if not (stopped or busy_when_stopped(first)):
         return False

@@ -1,8 +1,9 @@
-"""Where a stopped rank was, read from the stack faulthandler wrote when it was stopped.
+"""Where a stopped rank was, as one line: `train.py:88 in step(): loss.backward()`.
 
-A rank stuck in a collective (or in its own hang) cannot run Python: faulthandler writes
-its stack from the signal handler, to a file the launcher reads afterwards and turns into
-a line, `train.py:88 in step(): loss.backward()`, instead of a screenful per rank.
+Two sources. A rank stuck in a collective (or in its own hang) cannot run Python:
+faulthandler writes its stack from the signal handler, to a file the launcher reads
+afterwards (`ddpcli launch`). A `ddpcli train` worker's watcher thread reads its main
+thread's stack itself as it leaves (`main_thread_now`). Either beats a screenful per rank.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ THREAD_HEADER = re.compile(r"^(Thread 0x|Current thread 0x|Stack \(most recent c
 
 # Each worker of `ddpcli launch` writes its stack to FOLDER/stack-RANK.txt when stopped.
 STACKS_FOLDER_VARIABLE = "DDPCLI_STACKS_DIR"
+PACKAGE = Path(__file__).parent
 
 
 def stack_file_name(rank: int) -> str:
@@ -68,8 +70,7 @@ def first_frame(dump: str, wanted: Callable[[Frame], bool]) -> Frame | None:
 
 def library_folders() -> tuple[str, ...]:
     paths = sysconfig.get_paths()
-    ours = str(Path(__file__).parent)
-    folders = (paths["stdlib"], paths["purelib"], paths["platlib"], ours)
+    folders = (paths["stdlib"], paths["purelib"], paths["platlib"], str(PACKAGE))
     return tuple({folder + os.sep for folder in folders})
 
 
@@ -80,7 +81,7 @@ def is_users_code(frame: Frame) -> bool:
 
 
 def is_ddpcli_or_users_code(frame: Frame) -> bool:
-    return frame["file"].startswith(str(Path(__file__).parent) + os.sep) or is_users_code(frame)
+    return frame["file"].startswith(str(PACKAGE) + os.sep) or is_users_code(frame)
 
 
 # Where a rank waits for its peers: torch.distributed's calls, and backward, where DDP's
@@ -116,8 +117,7 @@ def where_stopped(stack_file: Path) -> Frame | None:
 
 def place_in_words(frame: Frame) -> str:
     file = frame["file"]
-    package_parent = Path(__file__).parent.parent
-    for base in (Path.cwd(), package_parent):  # a full path said shorter: train.py, ddpcli/...
+    for base in (Path.cwd(), PACKAGE.parent):  # a full path said shorter: train.py, ddpcli/...
         with contextlib.suppress(ValueError):
             file = str(Path(file).relative_to(base))
             break
