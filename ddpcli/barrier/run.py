@@ -5,7 +5,6 @@ read, and a hang turned into a summary."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -137,7 +136,7 @@ def launch_ranks(cfg: BarrierConfig, workdir: Path, debug: bool) -> dict:
         nproc_per_node=cfg.world_size,
         fork=forks_workers(cfg.uses_gpus),
         timeout_s=group_timeout_s(cfg),
-        env=bench_environment(cfg, debug),
+        env=worker_environment(cfg.gpus, cfg.world_size),
     )
     try:
         run_workers(job, debug)
@@ -147,11 +146,3 @@ def launch_ranks(cfg: BarrierConfig, workdir: Path, debug: bool) -> dict:
             raise
         raise BarrierHang(hang) from None
     return json.loads((workdir / RESULT_FILE).read_text())
-
-
-def bench_environment(cfg: BarrierConfig, debug: bool) -> dict[str, str]:
-    env = worker_environment(cfg.gpus, cfg.world_size)
-    if not debug and "TORCH_CPP_LOG_LEVEL" not in os.environ:
-        # Gloo logs its own timeout errors; the summary below says the same, once.
-        env["TORCH_CPP_LOG_LEVEL"] = "FATAL"
-    return env

@@ -6,6 +6,7 @@ No torch here: the engine (ddpcli.barrier) is imported when the command runs.
 
 from __future__ import annotations
 
+import os
 from typing import Annotated, Any
 
 import typer
@@ -128,6 +129,12 @@ def bench_barrier(
     def action() -> None:
         from ddpcli.config import build_barrier_config
         from ddpcli.environments import read_launcher_env
+        from ddpcli.errors import debug_requested
+
+        if not debug_requested(_state["debug"]):
+            # Gloo logs its own timeout errors; the summary says the same, once. Set before
+            # the fork server imports torch, which reads it then and never again.
+            os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
 
         launcher = read_launcher_env()
         if launcher is not None and flags["nproc"] is None and flags["gpus"] is None:
