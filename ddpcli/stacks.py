@@ -84,10 +84,11 @@ def is_ddpcli_or_users_code(frame: Frame) -> bool:
     return frame["file"].startswith(str(PACKAGE) + os.sep) or is_users_code(frame)
 
 
-# Where a rank waits for its peers: torch.distributed's calls, and backward, where DDP's
-# gradient all-reduce is waited for.
+# Where a rank waits for its peers: torch.distributed's calls, DDP's own (its forward
+# broadcasts buffers), and backward, where DDP's gradient all-reduce is waited for.
 COLLECTIVE_CODE = tuple(
-    os.sep + os.path.join("torch", part) + os.sep for part in ("distributed", "autograd")
+    os.sep + os.path.join("torch", *part.split("/")) + os.sep
+    for part in ("distributed", "nn/parallel", "autograd")
 )
 
 
