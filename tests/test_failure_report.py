@@ -12,8 +12,9 @@ import pytest
 from ddpcli.errors import STOPPED_FOR_PEER
 
 HOST = socket.gethostname()
-TIMED_OUT = "RuntimeError: [../gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 5000ms"
-LOST = "RuntimeError: [../gloo/transport/tcp/pair.cc:561] Connection closed by peer [10.0.0.2]:4803"
+# What each rank's RuntimeError said.
+TIMED_OUT = "[../gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 5000ms"
+LOST = "[../gloo/transport/tcp/pair.cc:561] Connection closed by peer [10.0.0.2]:4803"
 WAITING = f"{STOPPED_FOR_PEER} while waiting at ddpcli/train.py:120 in step(): loss.backward()"
 BUSY = f"{STOPPED_FOR_PEER} while busy at ddpcli/data/loader.py:88 in __iter__(): next(it)"
 
@@ -32,10 +33,7 @@ def failure(tmp_path, monkeypatch):
             error_file = tmp_path / f"error-{rank}.json"
             if words:
                 monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
-                kind, _, message = words.partition(": ")
-                record_for_agent(
-                    RuntimeError(message) if kind == "RuntimeError" else OSError(words)
-                )
+                record_for_agent(RuntimeError(words))
             failures[rank] = ProcessFailure(rank, 1000 + rank, code, str(error_file))
         return ChildFailedError("worker", failures)
 
