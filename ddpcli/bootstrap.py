@@ -123,7 +123,9 @@ def main(argv: list[str]) -> None:
         end_now(2)
     try:
         run_target(rest[0], as_module, rest[1:])
-    except SystemExit:
+    except SystemExit as leaving:
+        if leaving.code in (0, None):
+            close_process_group()
         raise  # the script's own exit status, as Python gives it
     except KeyboardInterrupt:  # Ctrl-C: the launcher says it once for the whole job
         end_now(INTERRUPTED)
@@ -133,6 +135,17 @@ def main(argv: list[str]) -> None:
         print_failure(error)
         record_for_agent(error)
         end_now(1)
+    close_process_group()
+
+
+def close_process_group() -> None:
+    """The process group a finished script left open, closed while the interpreter still
+    runs, as torch asks scripts to do. Left to the interpreter's exit, a rank 0 that hosts
+    the store (each round's own: ddpcli.scriptlaunch.restart_safe) now and then aborts
+    there ("terminate called without an active exception"), and a finished job fails."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

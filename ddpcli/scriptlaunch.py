@@ -85,7 +85,7 @@ def script_job(cfg: ScriptLaunchConfig) -> WorkerJob:
         args=[*target, *cfg.script_args],
         nproc_per_node=cfg.nproc_per_node,
         **membership,
-        env=worker_environment(cfg.gpus, cfg.nproc_per_node, cfg.ifname),
+        env={**worker_environment(cfg.gpus, cfg.nproc_per_node, cfg.ifname), **restart_safe(cfg)},
         log_dir=cfg.log_dir,
         timeout_bounds_collectives=False,
         stacks_to_report=True,
@@ -96,6 +96,17 @@ def script_job(cfg: ScriptLaunchConfig) -> WorkerJob:
             "max_restarts": str(cfg.max_restarts),
         },
     )
+
+
+def restart_safe(cfg: ScriptLaunchConfig) -> dict[str, str]:
+    """Where workers may start again (--max-restarts, or a membership change), each round's
+    workers get a store of their own. Elastic otherwise lends them its rendezvous store,
+    where the last round's workers left their addresses under the same keys: restarted
+    Gloo ranks read them and fail to connect, as under torchrun (pytorch#135712; seen in 1
+    of 3 restarts here). `ddpcli train` keys each attempt apart itself (ddpcli.dist)."""
+    if cfg.max_restarts == 0 and not cfg.elastic:
+        return {}  # one round: the shared store is safe, and needs no free port picked
+    return {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
 def launch_script(cfg: ScriptLaunchConfig, debug: bool = False) -> None:

@@ -426,3 +426,30 @@ def test_a_node_without_the_cause_says_where_its_stopped_ranks_were(tmp_path):
     stopped_at = f"error:   when stopped, rank 1 was at {script}:8 in <module>(): time.sleep(600)"
     assert stopped_at in node0.splitlines(), node0[-2000:]
     assert "Current thread" not in node0 + node1  # no stack on the screen
+
+
+FAILS_TWICE = """
+    import os
+    import torch, torch.distributed as dist
+    dist.init_process_group("gloo")
+    attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    if dist.get_rank() == 1 and attempt < 2:
+        raise ValueError(f"attempt {attempt} fails")
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    print(f"attempt {attempt} rank {dist.get_rank()} sum {total.item():g}", flush=True)
+"""
+
+
+def test_restarted_workers_meet_again_and_a_finished_script_exits_0(tmp_path):
+    """--max-restarts 2, rank 1 fails twice. The restarted Gloo ranks read the dead ranks'
+    addresses from the store elastic lends them (pytorch#135712) and failed to connect in
+    about 1 restart of 3; with a store per round they meet. The script never destroys its
+    process group: the bootstrap does, else a rank 0 hosting the store can abort at exit."""
+    script = write_script(tmp_path, "fails_twice.py", FAILS_TWICE)
+    result = run_cli("launch", "--nproc", "2", "--max-restarts", "2", str(script), timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    said = sorted(re.findall(r"attempt \d rank \d sum \d", result.stdout))
+    assert said == ["attempt 2 rank 0 sum 2", "attempt 2 rank 1 sum 2"], result.stdout
+    assert "terminate called" not in result.stderr
+    assert_none_left(str(script))
