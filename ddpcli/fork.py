@@ -165,7 +165,8 @@ def function_path_fixed() -> Iterator[None]:
     """Elastic's function path, made to end as its program path does, for the launch:
     - it reports only the first rank that failed; the program path reports every rank that
       ended with an error, which is what tells a dead rank from the ranks that only lost it;
-    - its end could hang for good on a worker killed just as it finished (WorkersMayExit)."""
+    - its end could hang for good on a worker killed just as it finished (WorkersMayExit);
+    - a worker that returned when the agent stopped it waited for SIGKILL (`_close`)."""
     from torch.distributed.elastic import multiprocessing as elastic_mp
     from torch.distributed.elastic.multiprocessing.api import ProcessFailure, RunProcsResult
 
@@ -176,6 +177,14 @@ def function_path_fixed() -> Iterator[None]:
             context = multiprocessing.get_context(self.start_method)
             # Elastic calls set() and wait() on it, which WorkersMayExit has; not an Event.
             self._worker_finished_event = WorkersMayExit(context, self.nprocs)  # type: ignore[assignment]
+
+        def _close(self, death_sig: signal.Signals, timeout: int = 30) -> None:
+            # A worker that has returned waits for the word that the agent read its result.
+            # An agent that stops its workers instead (a host joining an elastic job, a
+            # signal to the launcher) never gave it: a worker that had stopped cleanly on
+            # the SIGTERM sat out the agent's whole grace (30 s) until SIGKILL.
+            self._worker_finished_event.set()
+            super()._close(death_sig, timeout)
 
         def _poll(self) -> RunProcsResult | None:
             result = super()._poll()

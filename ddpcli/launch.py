@@ -550,4 +550,17 @@ def read_rank0_record(path: Path) -> dict[str, Any] | None:
 
 def train_environment(cfg: TrainConfig) -> dict[str, str]:
     gpus = cfg.gpus if cfg.uses_gpus else None
-    return worker_environment(gpus, cfg.nproc_per_node, cfg.ifname)
+    env = worker_environment(gpus, cfg.nproc_per_node, cfg.ifname)
+    # Restarts on a fixed membership keep the lent store: the workers key each attempt apart
+    # (ddpcli.dist), which holds as long as every agent counts the same restarts.
+    return {**env, **STORE_PER_ROUND} if cfg.elastic else env
+
+
+# Elastic lends its workers one store for every round of its rendezvous, and where rounds
+# follow each other it fails them: restarted Gloo ranks read the last round's addresses
+# under the same keys and fail to connect or hang (pytorch#135712; torchrun too), an agent
+# that restarts for a membership change counts no restart, so a per-restart prefix can
+# differ between hosts, and a host that joins a running job waits for good for an address
+# the first host published only in the first round. This opts out: every round's rank 0
+# worker hosts a store of its own, at an address the rendezvous hands out anew.
+STORE_PER_ROUND = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}

@@ -1,4 +1,5 @@
-"""What the agent does when a worker fails, before it stops the others.
+"""What the agent tells its workers: that another worker failed, before it stops them, and
+that they start a later round of the job.
 
 - It kills what the failed worker left behind: the rest of its process group (each worker
   leads one). Its DataLoader workers, forked after its process group formed, hold copies of
@@ -11,6 +12,9 @@
   has not yet reached one) waited for the agent's SIGKILL, 30 s later, after printing its
   stack. The notice is a file beside their config; a worker that finds it when the signal
   comes leaves at once.
+- It marks every start after its first as a later round (LATER_ROUND_FILE): a restart after
+  a failure counts in TORCHELASTIC_RESTART_COUNT, but a restart because hosts joined or left
+  an elastic job counts nowhere, and its workers must continue the run, not start it over.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from typing import Any
 
 # Beside a launch's private worker config (the agent's side) and read there by its workers.
 PEER_FAILED_FILE = "peer-failed"
+LATER_ROUND_FILE = "later-round"
 
 
 class FailedWorkerHandling:
@@ -31,10 +36,14 @@ class FailedWorkerHandling:
     poll that finds a failed worker stops the others, so this comes just before it."""
 
     notice: Path | None = None
+    starts = 0  # on the class made for one launch: how often it has started its workers
 
     def _start(self) -> None:
         if self.notice is not None:
             self.notice.unlink(missing_ok=True)  # a restart: its workers start afresh
+            if type(self).starts > 0:
+                self.notice.with_name(LATER_ROUND_FILE).touch()
+        type(self).starts += 1
         super()._start()  # type: ignore[misc]
 
     def _poll(self) -> Any:

@@ -15,6 +15,7 @@ from ddpcli.checkenv.network import port_holder, port_is_free
 from ddpcli.config import ScriptLaunchConfig
 from ddpcli.errors import DdpcliError, usage_error
 from ddpcli.launch import (
+    STORE_PER_ROUND,
     JobStopped,
     WorkerJob,
     job_membership,
@@ -99,14 +100,12 @@ def script_job(cfg: ScriptLaunchConfig) -> WorkerJob:
 
 
 def restart_safe(cfg: ScriptLaunchConfig) -> dict[str, str]:
-    """Where workers may start again (--max-restarts, or a membership change), each round's
-    workers get a store of their own. Elastic otherwise lends them its rendezvous store,
-    where the last round's workers left their addresses under the same keys: restarted
-    Gloo ranks read them and fail to connect, as under torchrun (pytorch#135712; seen in 1
-    of 3 restarts here). `ddpcli train` keys each attempt apart itself (ddpcli.dist)."""
+    """Where workers may start again (--max-restarts, or a membership change), a store per
+    round (ddpcli.launch.STORE_PER_ROUND): on the lent one, restarted Gloo ranks failed to
+    connect in 1 restart of 3 here, as under torchrun."""
     if cfg.max_restarts == 0 and not cfg.elastic:
-        return {}  # one round: the shared store is safe, and needs no free port picked
-    return {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+        return {}  # one round: the lent store is safe, and needs no free port picked
+    return STORE_PER_ROUND
 
 
 def launch_script(cfg: ScriptLaunchConfig, debug: bool = False) -> None:

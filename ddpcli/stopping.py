@@ -104,6 +104,7 @@ class Preemption:
         os.close(read_end)
 
     def __exit__(self, *exc: object) -> None:
+        faulthandler.cancel_dump_traceback_later()  # the loop has ended: not stuck in it
         if self._pipe is None:
             return
         signal.set_wakeup_fd(-1)

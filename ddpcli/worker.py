@@ -22,7 +22,7 @@ from ddpcli.config import TrainConfig
 from ddpcli.data.custom import custom_splits
 from ddpcli.data.pipeline import DataPipeline
 from ddpcli.data.sets import SKIPPED_IMAGES_FILE, load_splits
-from ddpcli.dist import DistContext, init_distributed, shutdown
+from ddpcli.dist import DistContext, all_reduce_max, init_distributed, shutdown
 from ddpcli.environments import LauncherEnv, read_launcher_env
 from ddpcli.errors import (
     INTERRUPTED,
@@ -37,7 +37,7 @@ from ddpcli.errors import (
 )
 from ddpcli.files import write_text_atomic
 from ddpcli.machine import cpu_count
-from ddpcli.peer_failure import PEER_FAILED_FILE
+from ddpcli.peer_failure import LATER_ROUND_FILE, PEER_FAILED_FILE
 from ddpcli.precision import auto_cpu_precision, auto_gpu_precision, native_cpu_bf16
 from ddpcli.process import (
     AGREED_STOP_FILE,
@@ -89,13 +89,9 @@ def keep_data_on_device(cfg: TrainConfig, ctx: DistContext) -> bool:
     return images * 3 * cfg.resolved_image_size**2 < DEVICE_DATA_FRACTION * free
 
 
-def run_worker(cfg: TrainConfig, env: LauncherEnv) -> dict[str, Any]:
+def run_worker(cfg: TrainConfig, env: LauncherEnv, later_round: bool = False) -> dict[str, Any]:
     torch.set_num_threads(max(1, cpu_count() // max(1, env.local_world_size)))
     keep_freed_memory()
-    if env.restart_count > 0 and cfg.resume is None:
-        cfg = cfg.model_copy(update={"resume": "auto"})  # the agent restarted us: continue
-        if env.rank == 0:
-            ui.warn(f"restart {env.restart_count}: resuming from the last checkpoint")
     ctx = init_distributed(
         env,
         want_gpu=not cfg.cpu,
@@ -103,6 +99,7 @@ def run_worker(cfg: TrainConfig, env: LauncherEnv) -> dict[str, Any]:
         init_method=cfg.init_method,
         timeout_s=cfg.timeout,
     )
+    cfg = continue_a_later_round(cfg, env, ctx, later_round)
     try:
         summary = train_and_summarise(cfg, ctx)
     except (KeyboardInterrupt, SystemExit):
@@ -179,6 +176,23 @@ def end_interrupted(stop: BaseException | None, env: LauncherEnv, cfg: TrainConf
     end_quietly(INTERRUPTED)
 
 
+def continue_a_later_round(
+    cfg: TrainConfig, env: LauncherEnv, ctx: DistContext, later_round: bool
+) -> TrainConfig:
+    """Workers the agents started again (after a failure, or because hosts joined or left
+    an elastic job: LATER_ROUND) continue from the last checkpoint, as --resume auto.
+    Agreed: the workers of a host that has just joined start their agent's first round."""
+    if cfg.resume is not None:
+        return cfg
+    mine = float(env.restart_count > 0 or later_round)
+    if not all_reduce_max(torch.tensor([mine], device=ctx.device), ctx).item():
+        return cfg
+    if env.rank == 0:
+        why = f"restart {env.restart_count}" if env.restart_count else "a new round of the job"
+        ui.warn(f"{why}: resuming from the last checkpoint")
+    return cfg.model_copy(update={"resume": "auto"})
+
+
 @recorded
 def main(argv: list[str]) -> None:
     die_with_parent()
@@ -192,7 +206,7 @@ def main(argv: list[str]) -> None:
     if env is None:
         exit_with_error("no launcher set RANK and WORLD_SIZE: run `ddpcli train`", USAGE)
     try:
-        run_worker(cfg, env)
+        run_worker(cfg, env, later_round=Path(argv[1]).with_name(LATER_ROUND_FILE).exists())
         collect_then_freeze()
     except KeyboardInterrupt as stop:
         end_interrupted(stop, env, cfg)

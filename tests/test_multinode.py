@@ -348,3 +348,31 @@ def test_a_lost_host_leaves_a_smaller_world_that_finishes(three_hosts, tmp_path)
     said = started[0].stderr + started[1].stderr
     assert "world 3 -> 2: global batch 48 -> 32 (per-process batch" in said, logs
     assert "Traceback" not in said
+
+
+def test_a_host_that_joins_a_running_job_is_admitted_and_the_run_goes_on(tmp_path):
+    """`--nnodes 1:2` on one machine: the first host trains alone; a second host joins in
+    epoch 1. The first host's worker stops at an agreed step and saves; both start the next
+    round as a world of 2, which continues from that checkpoint. Before, the new host waited
+    for good for an address the first one published in its first round only, and the
+    restarted workers would have started the run over."""
+    out, endpoint = tmp_path / "shared", f"127.0.0.1:{free_port()}"
+    command = [
+        sys.executable, "-m", "ddpcli", "train", *TINY, "--synthetic-size", "4096",
+        "--epochs", "2", "--log-every", "8", "--nproc", "1", "--nnodes", "1:2",
+        "--rdzv-endpoint", endpoint, "--timeout", "60", "--out", str(out),
+    ]  # fmt: skip
+    first = LiveProcess(command, clean_env())
+    try:
+        first.wait_for("epoch 1/2 step", timeout=RUN_TIMEOUT_S)
+        with nodes([command]) as (second,):
+            deadline = time.monotonic() + RUN_TIMEOUT_S
+            codes = [node.finish(deadline - time.monotonic()) for node in (first, second)]
+    finally:
+        first.kill()
+    logs = f"{first.stderr[-2500:]}\n---\n{second.stderr[-1500:]}"
+    assert codes == [0, 0], logs
+    assert "a new round of the job: resuming from the last checkpoint" in first.stderr, logs
+    assert "world 1 -> 2: global batch 16 -> 32" in first.stderr, logs
+    assert "trained before the resume" in first.stderr, logs  # continued, not started over
+    assert [epoch["world_size"] for epoch in read_metrics(out)] == [2, 2], logs
