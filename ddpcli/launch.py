@@ -283,9 +283,8 @@ def run_workers(job: WorkerJob, debug: bool = False) -> None:
     """Start `job` under torch.distributed.elastic and wait; a failed rank becomes a
     DdpcliError naming it (exit 2 if it failed on bad input, 1 otherwise), a signal to the
     launcher a JobStopped once every worker has ended."""
-    if not debug:  # their lines would come between the workers' and ours, and say less
-        logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
-        logging.getLogger("torch.multiprocessing").setLevel(logging.CRITICAL)
+    if not debug:
+        quiet_elastic_logs()
     os.environ.update(job.env)  # inherited by the workers, before any of them starts CUDA
     os.environ[PARENT_PID_VARIABLE] = str(os.getpid())  # workers die with us (process.py)
     with contextlib.ExitStack() as stack:
@@ -307,6 +306,18 @@ def stacks_folder(job: WorkerJob, scratch: Path) -> Path | None:
     folder.mkdir()
     os.environ[STACKS_FOLDER_VARIABLE] = str(folder)
     return folder
+
+
+def quiet_elastic_logs() -> None:
+    """Elastic's lines would come between the workers' and ours, and say less. Its loggers
+    are made as its modules are imported, some with a level of their own (WARNING: "Received
+    15 death signal, shutting down workers" after a preemption), which a parent's level does
+    not override: each is quieted, once the launch's modules are in."""
+    import torch.distributed.launcher.api  # noqa: F401 - makes the agent's loggers
+
+    for name in [*logging.root.manager.loggerDict, "torch.distributed.elastic"]:
+        if name.startswith(("torch.distributed.elastic", "torch.multiprocessing")):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
 def start_workers(
