@@ -251,6 +251,15 @@ main()
 """
 
 
+def started_as(workers: str, folder: Path) -> str | None:
+    """The entry that starts `ddpcli` with its workers WORKERS: None for the usual one."""
+    if workers != "programs":
+        return None
+    entry = folder / "as_programs.py"
+    entry.write_text(AS_PROGRAMS)
+    return str(entry)
+
+
 @pytest.mark.parametrize("workers", ["forked", "programs"])
 def test_the_agents_sigterm_after_a_rank_died_is_no_preemption(tmp_path, workers):
     """The agent stops the survivors with the preemption signal. A survivor that cannot
@@ -258,12 +267,9 @@ def test_the_agents_sigterm_after_a_rank_died_is_no_preemption(tmp_path, workers
     a preemption, printed its stack after 20 s and was killed at 30 s."""
     out = tmp_path / "run"
     args = [*SHORT_RUN, "--nproc", "2", "--timeout", "120", "--out", str(out)]
-    entry = None
-    if workers == "programs":
-        entry = tmp_path / "as_programs.py"
-        entry.write_text(AS_PROGRAMS)
+    entry = started_as(workers, tmp_path)
     env = clean_env(DDPCLI_SLOW_DATA="0:60")  # rank 0 waits a minute for each batch
-    with Background("train", *args, env=env, entry=entry and str(entry)) as run:
+    with Background("train", *args, env=env, entry=entry) as run:
         run.wait_for("strategy ddp")
         time.sleep(3)  # rank 0 is in the loop, waiting for its first batch
         run.kill_worker(1)
@@ -286,12 +292,9 @@ def test_a_rank_stuck_outside_any_collective_is_named_with_where_it_was(tmp_path
     failed peer, it was reported as "failed first: exit code 1" with "NoneType: None".)"""
     out = tmp_path / "run"
     args = [*SHORT_RUN, "--nproc", "2", "--timeout", "5", "--out", str(out)]
-    entry = None
-    if workers == "programs":
-        entry = tmp_path / "as_programs.py"
-        entry.write_text(AS_PROGRAMS)
+    entry = started_as(workers, tmp_path)
     env = clean_env(DDPCLI_SLOW_DATA="1:60")
-    with Background("train", *args, env=env, entry=entry and str(entry)) as run:
+    with Background("train", *args, env=env, entry=entry) as run:
         code = run.finish(timeout=STARTUP_S + 60)
     host = socket.gethostname()
     said = [line for line in run.stderr.splitlines() if line.startswith("error:")]
