@@ -14,6 +14,7 @@ Torch is imported only to record a failure: a script that never imports it stays
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import os
 import runpy
@@ -31,9 +32,15 @@ from ddpcli.errors import (
     lost_a_peer,
 )
 from ddpcli.process import die_with_parent, record_for_agent
-from ddpcli.stacks import STACKS_FOLDER_VARIABLE, is_users_code, place_in_words, stack_file_name
+from ddpcli.stacks import (
+    STACKS_FOLDER_VARIABLE,
+    finished_file_name,
+    is_users_code,
+    place_in_words,
+    stack_file_name,
+)
 
-USAGE_TEXT = "usage: python -m ddpcli.bootstrap [-m] SCRIPT.py|MODULE [ARGS...]"
+USAGE_TEXT = "usage: python -m ddpcli.bootstrap [-m] SCRIPT.py|FOLDER|MODULE [ARGS...]"
 
 
 def run_target(target: str, as_module: bool, args: list[str]) -> None:
@@ -43,8 +50,10 @@ def run_target(target: str, as_module: bool, args: list[str]) -> None:
         runpy.run_module(target, run_name="__main__", alter_sys=True)
         return
     sys.argv = [target, *args]
-    # Python puts the script's folder first on the path (here it put the working folder).
-    sys.path[0] = os.path.dirname(os.path.abspath(target))
+    # Python puts the script's folder first on the path (here it put the working folder),
+    # and a folder with __main__.py itself.
+    path = os.path.abspath(target)
+    sys.path[0] = path if os.path.isdir(path) else os.path.dirname(path)
     runpy.run_path(target, run_name="__main__")
 
 
@@ -100,22 +109,32 @@ def end_now(exit_code: int) -> None:
     os._exit(exit_code)
 
 
-def stack_output() -> TextIO:
+def stack_output(reports: str) -> TextIO:
     """Where this rank writes its stack when the agent stops it: a file in the launcher's
-    folder, which its report turns into a line (ddpcli.stacks), else stderr."""
-    folder = os.environ.pop(STACKS_FOLDER_VARIABLE, "")  # not the script's business
-    if not folder:
+    folder REPORTS, which its report turns into a line (ddpcli.stacks), else stderr."""
+    if not reports:
         return sys.stderr
     try:
-        return open(Path(folder) / stack_file_name(int(os.environ["RANK"])), "w")  # noqa: SIM115
+        return open(Path(reports) / stack_file_name(int(os.environ["RANK"])), "w")  # noqa: SIM115
     except (OSError, KeyError, ValueError):
         return sys.stderr
 
 
+def script_finished(reports: str) -> None:
+    """The script ended well: said to the launcher in its folder REPORTS, then the process
+    group closed. A rank that ends while the others still call collectives with it is the
+    cause of their failure, even when the agent stops it in its own exit."""
+    if reports:
+        with contextlib.suppress(OSError, KeyError, ValueError):
+            (Path(reports) / finished_file_name(int(os.environ["RANK"]))).touch()
+    close_process_group()
+
+
 def main(argv: list[str]) -> None:
     die_with_parent()
+    reports = os.environ.pop(STACKS_FOLDER_VARIABLE, "")  # not the script's business
     # Where a stopped rank was stuck. faulthandler keeps the file open for the process's life.
-    faulthandler.register(signal.SIGTERM, file=stack_output(), all_threads=True, chain=True)
+    faulthandler.register(signal.SIGTERM, file=stack_output(reports), all_threads=True, chain=True)
     as_module = len(argv) > 1 and argv[1] == "-m"
     rest = argv[2:] if as_module else argv[1:]
     if not rest:
@@ -125,7 +144,7 @@ def main(argv: list[str]) -> None:
         run_target(rest[0], as_module, rest[1:])
     except SystemExit as leaving:
         if leaving.code in (0, None):
-            close_process_group()
+            script_finished(reports)
         raise  # the script's own exit status, as Python gives it
     except KeyboardInterrupt:  # Ctrl-C: the launcher says it once for the whole job
         end_now(INTERRUPTED)
@@ -135,7 +154,7 @@ def main(argv: list[str]) -> None:
         print_failure(error)
         record_for_agent(error)
         end_now(1)
-    close_process_group()
+    script_finished(reports)
 
 
 def close_process_group() -> None:

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ddpcli.errors import DdpcliError, usage_error
+from ddpcli.errors import USAGE, DdpcliError, usage_error
 from ddpcli.files import write_bytes_atomic
 from ddpcli.steplog import STEPS_FILE, read_rows
 
@@ -58,21 +58,34 @@ class RunCurves:
         return int(max((s.steps[-1] for s in self.series.values() if s.steps), default=0))
 
 
+class NotARun(DdpcliError):
+    """FOLDER has no curves to draw; REASON says why, in words that follow "FOLDER"."""
+
+    def __init__(self, folder: Path, reason: str, hint: str) -> None:
+        super().__init__(f"invalid RUN_DIR: {folder} {reason}; {hint}", USAGE)
+        self.folder = folder
+        self.reason = reason
+
+
+LOGGED_HINT = "give the --out folder of a `ddpcli train` run that has logged at least one interval"
+
+
 def read_run(folder: Path, label: str | None = None) -> RunCurves:
     """The curves in FOLDER; exit 2 when it holds none (not a run, or one not logged yet)."""
     if not folder.is_dir():
-        raise usage_error(f"invalid RUN_DIR: {folder} is not a folder; give a run's --out folder")
+        raise NotARun(folder, "is not a folder", "give a run's --out folder")
     step_rows, epoch_rows = read_rows(folder / STEPS_FILE), read_rows(folder / METRICS_FILE)
     if not step_rows and not epoch_rows:
-        raise usage_error(
-            f"invalid RUN_DIR: {folder} holds no metrics ({STEPS_FILE} or {METRICS_FILE}); give "
-            "the --out folder of a `ddpcli train` run that has logged at least one interval"
-        )
+        raise NotARun(folder, f"holds no metrics ({STEPS_FILE} or {METRICS_FILE})", LOGGED_HINT)
     series = {}
     for name in (*PANELS["loss"], *PANELS["acc"], "lr", "images_per_sec"):
         # A run from before steps.jsonl existed still shows its train curves, per epoch.
         per_epoch = name in EPOCH_SERIES or not any(name in row for row in step_rows)
         series[name] = points(epoch_rows if per_epoch else step_rows, name, per_epoch)
+    if not any(found.steps for found in series.values()):  # rows, but none a run writes
+        rows = f"{STEPS_FILE} or {METRICS_FILE}"
+        reason = f"holds no metrics (no row of its {rows} has a step and a value)"
+        raise NotARun(folder, reason, LOGGED_HINT)
     return RunCurves(label or folder.name, folder, series)
 
 
@@ -89,14 +102,27 @@ def points(rows: list[dict], name: str, per_epoch: bool) -> Series:
     return found
 
 
-def read_runs(folders: Sequence[Path]) -> list[RunCurves]:
-    """Runs named by their folder; by the path given where two folders share a name."""
+def read_runs(folders: Sequence[Path]) -> tuple[list[RunCurves], list[NotARun]]:
+    """Runs named by their folder (by the path given where two folders share a name), and
+    the folders skipped for holding none: `runs/*` may match a run stopped before its first
+    interval, or a stray file. One folder without metrics, or none among several: exit 2."""
     names = [folder.name or str(folder) for folder in folders]
     shared = {name for name in names if names.count(name) > 1}
-    return [
-        read_run(folder, str(folder) if name in shared else name)
-        for folder, name in zip(folders, names, strict=True)
-    ]
+    runs, skipped = [], []
+    for folder, name in zip(folders, names, strict=True):
+        try:
+            runs.append(read_run(folder, str(folder) if name in shared else name))
+        except NotARun as missing:
+            if len(folders) == 1:
+                raise
+            skipped.append(missing)
+    if not runs:
+        raise usage_error(
+            f"invalid RUN_DIR: none of the {len(folders)} RUN_DIRs holds metrics ({STEPS_FILE} "
+            f"or {METRICS_FILE} rows); give the --out folders of `ddpcli train` runs that have "
+            "logged at least one interval"
+        )
+    return runs, skipped
 
 
 def choose_panels(metrics: Sequence[str]) -> list[tuple[str, tuple[str, ...]]]:

@@ -8,18 +8,20 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import faulthandler
 import itertools
 import os
+import signal
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from ddpcli import ui
 from ddpcli.environments import LauncherEnv
-from ddpcli.errors import first_line, runtime_error, usage_error
+from ddpcli.errors import STOPPED_FOR_PEER, first_line, runtime_error, usage_error
 
 
 @dataclass(frozen=True)
@@ -42,16 +44,18 @@ class DistContext:
 
 
 def choose_device(local_rank: int, want_gpu: bool) -> torch.device:
-    """One process per GPU: local rank r drives cuda:r of the GPUs this process can see."""
+    """One process per GPU: local rank r drives cuda:r of the GPUs this process can see; a
+    process that sees exactly one GPU drives that one, whatever its local rank (SLURM's
+    `--gpus-per-task=1`, where SLURM_LOCALID still counts 0..k on the node)."""
     if not want_gpu or not torch.cuda.is_available():
         return torch.device("cpu")
     visible = torch.cuda.device_count()
-    if local_rank >= visible:
+    if local_rank >= visible > 1:
         raise usage_error(
             f"local rank {local_rank} has no GPU: this process sees {visible} "
             f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})"
         )
-    device = torch.device("cuda", local_rank)
+    device = torch.device("cuda", local_rank if visible > 1 else 0)
     # Must happen before any CUDA work, or every rank allocates a context on GPU 0.
     torch.cuda.set_device(device)
     return device
@@ -72,7 +76,11 @@ def init_distributed(
     backend: str,
     init_method: str | None,
     timeout_s: float,
+    group_of_one: bool = False,
 ) -> DistContext:
+    """Join the job's process group. A world of one forms none (training needs no collective
+    there) unless it names its own rendezvous or asks for `group_of_one`: the instruments
+    (bench-barrier, check-env --probe) time and check the group's collectives even alone."""
     device = choose_device(env.local_rank, want_gpu)
     backend = choose_backend(backend, device)
     if init_method == "env://":
@@ -80,10 +88,11 @@ def init_distributed(
     if init_method is None and env.launcher == "slurm":
         # srun sets no MASTER_ADDR/PORT; the address comes from SLURM_NODELIST.
         init_method = f"tcp://{env.master_addr}:{env.master_port or 29500}"
-    if env.world_size > 1 or init_method:
-        if backend == "nccl":
-            # Fail a stuck collective instead of hanging forever (see docs/multi-node.md).
-            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    if env.world_size > 1 or init_method or group_of_one:
+        # TORCH_NCCL_ASYNC_ERROR_HANDLING stays as the launcher left it. Either way a timed-out
+        # collective ends the rank: torch's default (3) ends it without ncclCommAbort, which
+        # can itself hang; 1 (what torchrun's agent sets) aborts first. Nothing measured
+        # argues for overriding torch (see docs/multi-node.md).
         try:
             dist.init_process_group(
                 backend=backend,
@@ -181,9 +190,29 @@ def rank_zero_prepares(
     key = f"ddpcli/prepared/{next(_preparations)}"
     if not ctx.is_main:
         wait_for_rank_zero(store, key, ctx, what, timeout_s)
-    yield
-    if ctx.is_main:
-        store.set(key, "done")
+        yield
+        return
+    try:
+        yield
+    except Exception:
+        release_waiting_ranks(store, key, ctx)
+        raise
+    store.set(key, PREPARED)
+
+
+PREPARED, PREPARATION_FAILED = "done", "failed"
+# How long a rank 0 that failed to prepare waits, at most, for the others to leave first.
+RELEASE_S = 10.0
+
+
+def release_waiting_ranks(store: dist.Store, key: str, ctx: DistContext) -> None:
+    """Rank 0 failed to prepare and will say why: the ranks waiting for it leave quietly
+    (`leave_with_rank_zero`) before it does. Left waiting, the agent's SIGTERM after rank 0's
+    exit made each of them print its stack, though none was stuck."""
+    left = [f"{key}/left/{rank}" for rank in range(1, ctx.world_size)]
+    with contextlib.suppress(RuntimeError, dist.DistError):  # a store gone: say it anyway
+        store.set(key, PREPARATION_FAILED)
+        store.wait(left, datetime.timedelta(seconds=RELEASE_S))
 
 
 def wait_for_rank_zero(
@@ -193,10 +222,23 @@ def wait_for_rank_zero(
         ui.info(f"rank {ctx.rank} waits for rank 0 to {what} (up to {timeout_s / 3600:g} h)")
     try:
         store.wait([key], datetime.timedelta(seconds=timeout_s))
+        failed = store.get(key).decode() == PREPARATION_FAILED
     except (RuntimeError, dist.DistError) as error:
         raise runtime_error(
             f"rank {ctx.rank}: rank 0 did not {what} within {timeout_s:g}s ({first_line(error)})"
         ) from error
+    if failed:
+        leave_with_rank_zero(store, key, ctx, what)
+
+
+def leave_with_rank_zero(store: dist.Store, key: str, ctx: DistContext, what: str) -> NoReturn:
+    """Rank 0 failed to prepare and says why itself; this rank's failure is a consequence
+    (ddpcli.worker ends it quietly). No stack on the agent's SIGTERM from here on: rank 0
+    leaves once every waiting rank has answered, and the agent then stops them all."""
+    faulthandler.unregister(signal.SIGTERM)
+    with contextlib.suppress(RuntimeError, dist.DistError):
+        store.set(f"{key}/left/{ctx.rank}", "")
+    raise RuntimeError(f"{STOPPED_FOR_PEER}: rank 0 failed to {what}")
 
 
 def all_reduce_sum(tensor: torch.Tensor, ctx: DistContext) -> torch.Tensor:

@@ -81,7 +81,7 @@ def import_source(spec: FactorySpec, flag: str) -> Any:
         sys.modules[name] = module  # dataclasses and pickling look modules up by name
         try:
             module_spec.loader.exec_module(module)
-        except Exception as error:
+        except (Exception, SystemExit) as error:
             del sys.modules[name]
             raise _import_failed(flag, str(path), error) from None
         return module
@@ -92,7 +92,7 @@ def import_source(spec: FactorySpec, flag: str) -> Any:
             f"invalid {flag}: no module {error.name!r} (importing {spec.source}); run from the "
             "folder that holds it, or install it (pip install -e .)"
         ) from None
-    except Exception as error:
+    except (Exception, SystemExit) as error:
         raise _import_failed(flag, spec.source, error) from None
 
 
@@ -122,10 +122,15 @@ def load_factory(text: str, flag: str) -> Callable[..., Any]:
 
 def call_factory(factory: Callable[..., Any], text: str, flag: str, **arguments: Any) -> Any:
     """FACTORY(**ARGUMENTS); whatever it raises is the user's code's: one line, exit 2."""
+    given = ", ".join(f"{key}={value!r}" for key, value in arguments.items())
     try:
         return factory(**arguments)
+    except SystemExit as exit_:  # a script's habit; uncaught, the run ended "successfully"
+        raise usage_error(
+            f"invalid {flag}: {text}({given}) called sys.exit({exit_.code!r}); a factory must "
+            "return, not exit"
+        ) from None
     except Exception as error:
-        given = ", ".join(f"{key}={value!r}" for key, value in arguments.items())
         raise usage_error(
             f"invalid {flag}: {text}({given}) raised {type(error).__name__}: {first_line(error)}"
         ) from None

@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 import signal
 import socket
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -23,7 +24,13 @@ from ddpcli.errors import (
     runtime_error,
     usage_error,
 )
-from ddpcli.stacks import place_in_words, stack_file_name, where_stopped
+from ddpcli.stacks import (
+    finished_file_name,
+    innermost_users_frame,
+    place_in_words,
+    stack_file_name,
+    where_stopped,
+)
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
@@ -34,41 +41,120 @@ def describe_failure(
     log_dir: str | None = None,
     timeout_s: float | None = None,
     stacks: Path | None = None,
+    world_size: int | None = None,
+    attempts: int = 1,
 ) -> DdpcliError:
     """Name the first rank that failed, how it ended, and the last lines it printed. STACKS:
-    the folder where the workers wrote their stacks when stopped (None: to their stderr)."""
-    rank, first = unresponsive_rank(failure) or first_cause(failure)
-    others = sorted(r for r in failure.failures if r != rank)
+    the folder where the workers wrote their stacks when stopped (None: to their stderr).
+    WORLD_SIZE: every rank of a job on this one node (None: on several, some unseen here).
+    ATTEMPTS: the rounds of workers that failed (after --max-restarts restarts)."""
+    failures = failure.failures
+    rank, first = unresponsive_rank(failures) or first_cause(failures)
+    early = ended_early(failures, world_size, stacks)
+    if early and knock_on_effect(first):
+        lines = ended_early_in_words(early, failures)
+    else:
+        lines = first_failure_in_words(rank, first, failures, timeout_s, stacks, world_size)
+    if log_dir:
+        lines.append(f"  its output: {rank_log(log_dir, first.local_rank)}")
+    # The cause is elsewhere (no rank here failed of itself): a stuck rank here stands out.
+    if knock_on_effect(first) and not (early or stopped_responding(first, failures)):
+        lines.extend(places_of_stopped_ranks(failures, stacks))
+    if attempts > 1:
+        restarts = f"--max-restarts {attempts - 1}"
+        lines.append(f"  every attempt failed: {attempts} of {attempts} ({restarts})")
+    code = USAGE if first.exitcode == USAGE else 1
+    return usage_error("\n".join(lines)) if code == USAGE else runtime_error("\n".join(lines))
+
+
+def first_failure_in_words(
+    rank: int,
+    first: ProcessFailure,
+    failures: Mapping[int, ProcessFailure],
+    timeout_s: float | None,
+    stacks: Path | None,
+    world_size: int | None,
+) -> list[str]:
+    others = sorted(r for r in failures if r != rank)
     host = socket.gethostname()
     consequence = ""
-    if stopped_responding(first, failure):
+    if stopped_responding(first, failures):
         where = stopped_place(rank, first, stacks)
         in_words = unresponsive_in_words(others, first.exitcode, timeout_s, stacks, where)
         lines = [f"rank {rank} on {host} {in_words}"]
     else:
-        consequence = knock_on_effect(first)
+        consequence = knock_on_effect(first, one_node=world_size is not None)
         verb = "stopped" if consequence else "failed"
         lines = [f"rank {rank} on {host} {verb} first: {exit_in_words(first.exitcode)}"]
         if others:
             lines[0] += f" (then {rank_list(others)} stopped)"
         if consequence:
             lines.append(f"  {consequence}")
-    detail = "" if busy_when_stopped(first) else error_tail(first)  # said above, if busy
-    if detail:
-        lines.append(detail)
-    if log_dir:
-        lines.append(f"  its output: {rank_log(log_dir, first.local_rank)}")
-    if consequence:  # the cause is on another node: a stuck rank here stands out
-        lines.extend(places_of_stopped_ranks(failure, stacks))
-    code = USAGE if first.exitcode == USAGE else 1
-    return usage_error("\n".join(lines)) if code == USAGE else runtime_error("\n".join(lines))
+    if busy_when_stopped(first):  # said above
+        return lines
+    place = users_place(first) if consequence else None
+    detail = f"  at {place}" if place else error_tail(first)
+    return [*lines, detail] if detail else lines
+
+
+def ended_early(
+    failures: Mapping[int, ProcessFailure], world_size: int | None, stacks: Path | None
+) -> list[int]:
+    """The ranks whose script ended well: those that said so in STACKS (the agent may
+    have stopped them in their exit), and on one node of WORLD_SIZE ranks, those not among
+    its failures."""
+    said = {rank for rank in failures if stacks and (stacks / finished_file_name(rank)).exists()}
+    missing = {rank for rank in range(world_size or 0) if rank not in failures}
+    return sorted(said | missing)
+
+
+def ended_early_in_words(early: list[int], failures: Mapping[int, ProcessFailure]) -> list[str]:
+    """Every failure only says a peer went: the peer is a rank whose script ended well
+    (sys.exit(0), or a return) while the others still called collectives with it."""
+    them = "it" if len(early) == 1 else "them"
+    lines = [
+        f"{rank_list(early)} on {socket.gethostname()} ended early: its script finished "
+        f"(returned or called sys.exit(0)) while the other ranks still needed {them} at a "
+        "collective; every rank must make the same collective calls before it ends"
+    ]
+    for rank, process in sorted(failures.items()):
+        if rank in early:
+            continue
+        place = users_place(process)
+        at = f" at {place}" if place else ""
+        if lost_a_peer(last_error_line(process)):
+            lines.append(f"  rank {rank} lost its connection to {them}{at}")
+        elif timed_out(process):
+            lines.append(f"  rank {rank} gave up waiting for {them}{at}")
+        else:
+            lines.append(f"  rank {rank} then stopped: {exit_in_words(process.exitcode)}")
+    return lines
+
+
+def users_place(process: ProcessFailure) -> str | None:
+    """The script's innermost line in the traceback a rank recorded, in words."""
+    frame = innermost_users_frame(failure_text(process))
+    return place_in_words(frame) if frame else None
+
+
+def round_in_words(failures: Mapping[int, ProcessFailure]) -> str:
+    """One failed round of workers in a line, before they are restarted: the rank that
+    failed first, how, and its exception's last line."""
+    if not failures:
+        return "the workers failed"
+    rank, first = unresponsive_rank(failures) or first_cause(failures)
+    words = f"rank {rank} on {socket.gethostname()} failed: {exit_in_words(first.exitcode)}"
+    error = last_error_line(first)
+    if error and not error.startswith(("Signal ", "To enable traceback", "<NONE>")):
+        words += f" ({error})"
+    return words
 
 
 def rank_list(ranks: list[int]) -> str:
     return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
 
 
-def stopped_responding(first: ProcessFailure, failure: ChildFailedError) -> bool:
+def stopped_responding(first: ProcessFailure, failures: Mapping[int, ProcessFailure]) -> bool:
     """Killed (SIGTERM, or SIGKILL when it could not act on that), or gone on the SIGTERM
     while busy outside any collective, no earlier than the others gave up waiting for it at
     a collective: most likely the agent stopping a rank that was hung or stopped, rather
@@ -77,16 +163,18 @@ def stopped_responding(first: ProcessFailure, failure: ChildFailedError) -> bool
     stopped = first.exitcode in (-signal.SIGKILL, -signal.SIGTERM) and not timed_out(first)
     if not (stopped or busy_when_stopped(first)):
         return False
-    others = [other for other in failure.failures.values() if other is not first]
+    others = [other for other in failures.values() if other is not first]
     waited = [other for other in others if timed_out(other)]
     return bool(waited) and first.timestamp >= min(other.timestamp for other in waited)
 
 
-def unresponsive_rank(failure: ChildFailedError) -> tuple[int, ProcessFailure] | None:
+def unresponsive_rank(
+    failures: Mapping[int, ProcessFailure],
+) -> tuple[int, ProcessFailure] | None:
     """The lowest rank the others gave up waiting for, if any: the cause, though the ranks
     that timed out ended first."""
-    for rank, process in sorted(failure.failures.items()):
-        if stopped_responding(process, failure):
+    for rank, process in sorted(failures.items()):
+        if stopped_responding(process, failures):
             return rank, process
     return None
 
@@ -117,7 +205,7 @@ def unresponsive_in_words(
     return f"stopped responding: {gave_up}; {end}"
 
 
-def first_cause(failure: ChildFailedError) -> tuple[int, ProcessFailure]:
+def first_cause(failures: Mapping[int, ProcessFailure]) -> tuple[int, ProcessFailure]:
     """The rank whose failure started it all. The agent orders failures by a timestamp in
     whole seconds, so a rank that only lost its peer, or that the agent stopped (SIGTERM),
     can tie with the rank that really died and be named first."""
@@ -125,7 +213,7 @@ def first_cause(failure: ChildFailedError) -> tuple[int, ProcessFailure]:
     def order(item: tuple[int, ProcessFailure]) -> tuple[bool, int]:
         return bool(knock_on_effect(item[1])), item[1].timestamp
 
-    return sorted(failure.failures.items(), key=order)[0]
+    return sorted(failures.items(), key=order)[0]
 
 
 def last_error_line(failure: ProcessFailure) -> str:
@@ -139,16 +227,15 @@ def timed_out(failure: ProcessFailure) -> bool:
     return any(marker in last_error_line(failure) for marker in TIMED_OUT)
 
 
-def knock_on_effect(failure: ProcessFailure) -> str:
-    """Why this failure is probably not the cause, or "" if it may be."""
+def knock_on_effect(failure: ProcessFailure, one_node: bool = False) -> str:
+    """Why this failure is probably not the cause, or "" if it may be. ONE_NODE: every
+    rank of the job ran here, so the cause is no other node's."""
     text = last_error_line(failure)
     if failure.exitcode == -signal.SIGTERM or STOPPED_FOR_PEER in text:
         return "it was stopped because another rank failed"
     if lost_a_peer(text):
-        return (
-            "it lost its connection to another rank, which most likely died first "
-            "(on another node: see that node's output)"
-        )
+        elsewhere = "" if one_node else " (on another node: see that node's output)"
+        return f"it lost its connection to another rank, which most likely died first{elsewhere}"
     if timed_out(failure):
         return (
             "a collective did not finish within --timeout: another rank stopped responding "
@@ -236,11 +323,13 @@ def stopped_at(stacks: Path, rank: int) -> str | None:
     return place_in_words(frame) if frame else None
 
 
-def places_of_stopped_ranks(failure: ChildFailedError, stacks: Path | None) -> list[str]:
+def places_of_stopped_ranks(
+    failures: Mapping[int, ProcessFailure], stacks: Path | None
+) -> list[str]:
     """One line per place where the ranks the agent stopped were: ranks waiting together at
     a collective share one; a rank stuck elsewhere has its own."""
     places: dict[str, list[int]] = {}
-    for rank, process in sorted(failure.failures.items()):
+    for rank, process in sorted(failures.items()):
         stopped = process.exitcode == -signal.SIGTERM or left_for_peer(process)
         if stopped and (where := stopped_place(rank, process, stacks)):
             places.setdefault(where, []).append(rank)

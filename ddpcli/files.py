@@ -24,10 +24,15 @@ class _HashingWriter:
     def __init__(self, handle: BinaryIO) -> None:
         self.handle = handle
         self.sha256 = hashlib.sha256()
+        self.error: OSError | None = None  # what failed a write: torch's error hides it
 
     def write(self, data: bytes) -> int:
         self.sha256.update(data)
-        return self.handle.write(data)
+        try:
+            return self.handle.write(data)
+        except OSError as error:
+            self.error = error
+            raise
 
     def flush(self) -> None:
         self.handle.flush()
@@ -130,8 +135,15 @@ def atomic_save(obj: Any, path: Path) -> str:
     try:
         with os.fdopen(fd, "wb") as handle:
             writer = _HashingWriter(handle)
-            # torch.save takes any object with write() and flush(), as its docs say; its hint: IO.
-            torch.save(obj, writer)  # type: ignore[arg-type]
+            try:
+                # torch.save takes any object with write() and flush(), as its docs say.
+                torch.save(obj, writer)  # type: ignore[arg-type]
+            except RuntimeError:
+                # A failed write reaches the caller as torch's "[enforce fail at
+                # inline_container.cc] unexpected pos": say what failed (a full disk).
+                if writer.error is not None:
+                    raise writer.error from None
+                raise
             handle.flush()
             os.fsync(handle.fileno())
         digest = writer.sha256.hexdigest()

@@ -38,6 +38,7 @@ from ddpcli.membership import advertised_address, c10d_settings
 from ddpcli.peer_failure import PEER_FAILED_FILE, failed_workers_handled
 from ddpcli.process import AGREED_STOP_FILE, PARENT_PID_VARIABLE, freeze_imported_objects
 from ddpcli.resources import capacity_warnings
+from ddpcli.restarts import restarts_announced
 from ddpcli.rollcall import (
     MasterUnreachable,
     NodeZeroGaveUp,
@@ -52,6 +53,7 @@ from ddpcli.stacks import STACKS_FOLDER_VARIABLE
 
 if TYPE_CHECKING:  # torch is imported where a launch needs it, not with this module
     from torch.distributed import Store
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig
 
 WORKER_MODULE = "ddpcli.worker"
@@ -104,6 +106,8 @@ def start_training(cfg: TrainConfig, launcher: LauncherEnv | None, debug: bool) 
         ui.warn("--gpus is ignored under a launcher: each rank uses the GPU of its LOCAL_RANK")
     if cfg.ifname:  # this process is the worker: set them before its group forms
         os.environ["GLOO_SOCKET_IFNAME"] = os.environ["NCCL_SOCKET_IFNAME"] = cfg.ifname
+    if joining := launcher.joining(cfg.timeout, cfg.init_method):  # said before it waits
+        ui.info(joining)
     return run_adopted_worker(cfg, launcher, debug)
 
 
@@ -186,6 +190,17 @@ class WorkerJob:
     # Workers that write their stack to a file when stopped (ddpcli.bootstrap), for the
     # report to say where they were; else they print it (ddpcli.worker).
     stacks_to_report: bool = False
+    # torchrun's flags as `ddpcli launch` takes them: which output goes to --log-dir's files
+    # (None: all of it) and which the terminal also shows (None: rank 0's, every error),
+    # the local ranks the terminal shows (None: all), the rendezvous's own settings, the
+    # agent's role name, how often it looks at its workers, this host's advertised address.
+    redirects: str | None = None
+    tee: str | None = None
+    local_ranks_filter: list[int] | None = None
+    rdzv_settings: dict[str, Any] = field(default_factory=dict)
+    role: str | None = None
+    monitor_interval: float = 0.1
+    local_addr: str | None = None
 
     @property
     def agent_port(self) -> int:
@@ -221,12 +236,12 @@ def launch_config(job: WorkerJob, scratch: str) -> LaunchConfig:
     from torch.distributed.launcher.api import LaunchConfig
 
     timeout = max(1, int(job.timeout_s))
-    local_addr = None
+    local_addr = job.local_addr
     if job.rendezvous is not None:
         host, port = job.rendezvous
         backend, endpoint = "c10d", f"{host}:{port}"
         rdzv_configs = c10d_settings(host, timeout)
-        local_addr = advertised_address(job.ifname, host)
+        local_addr = local_addr or advertised_address(job.ifname, host)
     elif job.nnodes == 1 and job.master_port is None:
         # Port 0: the rendezvous store binds a free port, so runs on one machine never collide.
         backend, endpoint, rdzv_configs = "c10d", "127.0.0.1:0", {"timeout": timeout}
@@ -234,15 +249,21 @@ def launch_config(job: WorkerJob, scratch: str) -> LaunchConfig:
         backend, endpoint = "static", f"{job.master_addr}:{job.agent_port}"
         rdzv_configs = {"rank": job.node_rank, "timeout": timeout}
     prefix = None
+    shown = set(job.local_ranks_filter) if job.local_ranks_filter is not None else None
     if job.log_dir:
         # Every rank's output in its own file; the console shows rank 0 and everyone's errors.
         tee = {rank: Std.ALL if rank == 0 else Std.ERR for rank in range(job.nproc_per_node)}
-        logs = DefaultLogsSpecs(log_dir=job.log_dir, redirects=Std.ALL, tee=tee)
+        logs = DefaultLogsSpecs(
+            log_dir=job.log_dir,
+            redirects=Std.from_str(job.redirects) if job.redirects else Std.ALL,
+            tee=Std.from_str(job.tee) if job.tee else tee,
+            local_ranks_filter=shown,
+        )
         prefix = "[${hostname} rank ${rank}] "
     else:
         # Left to itself the agent makes a torchelastic_* folder in the system's temporary
         # directory for every run, and never removes it.
-        logs = DefaultLogsSpecs(log_dir=scratch)
+        logs = DefaultLogsSpecs(log_dir=scratch, local_ranks_filter=shown)
     return LaunchConfig(
         min_nodes=job.min_nnodes or job.nnodes,
         max_nodes=job.nnodes,
@@ -251,9 +272,10 @@ def launch_config(job: WorkerJob, scratch: str) -> LaunchConfig:
         local_addr=local_addr,
         rdzv_backend=backend,
         rdzv_endpoint=endpoint,
-        rdzv_configs=rdzv_configs,
+        rdzv_configs={**rdzv_configs, **job.rdzv_settings},
+        role=job.role or "default_role",
         max_restarts=job.max_restarts,
-        monitor_interval=0.1,
+        monitor_interval=job.monitor_interval,
         start_method="forkserver" if job.fork else "spawn",
         logs_specs=logs,
         log_line_prefix_template=prefix,
@@ -330,44 +352,66 @@ def start_workers(
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
-    try:
-        with failed_workers_handled(job.peer_failed_notice):
+    with contextlib.ExitStack() as patches:
+        patches.enter_context(failed_workers_handled(job.peer_failed_notice))
+        attempts = patches.enter_context(restarts_announced(job.max_restarts, job.nproc_per_node))
+        try:
             if fork_server_pid is not None:
                 with function_path_fixed():
                     entry = elastic_launch(config, start_forked_worker)
                     entry(fork_server_pid, job.env, job.module, *job.args)
             else:
                 elastic_launch(config, sys.executable)("-m", job.module, *job.args)
-    except ChildFailedError as failure:
-        collective_timeout = job.timeout_s if job.timeout_bounds_collectives else None
-        raise describe_failure(failure, job.log_dir, collective_timeout, stacks) from None
-    except SignalException as received:
-        raise JobStopped(received.sigval) from None
-    except Exception as error:  # rendezvous errors: the world never formed
-        name = type(error).__name__
-        if job.rendezvous is not None and ("Rendezvous" in name or "Timeout" in name):
-            host, port = job.rendezvous
-            raise runtime_error(
-                f"the job never formed: {name} after {job.timeout_s:g}s waiting for "
-                f"{job.min_nnodes or job.nnodes} to {job.nnodes} host(s) at the c10d rendezvous "
-                f"{host}:{port} ({first_line(error)}); start the same command on enough hosts, "
-                "check that the endpoint's host runs it too, or raise --timeout"
-            ) from error
-        if "Rendezvous" in name or "Timeout" in name:
-            raise runtime_error(
-                f"the job never formed: {name} after {job.timeout_s:g}s waiting for "
-                f"{job.nnodes} node(s) at {job.master_addr}:{job.master_port}; start the same "
-                "command on every node (only --node-rank differs) or raise --timeout"
-            ) from error
-        if name in ("DistNetworkError", "DistStoreError") and job.nnodes > 1:
-            # Node 0's agent hosts the store: it stopped (a node missing at its roll call,
-            # killed) while this node's agent was still forming the job with it.
-            raise runtime_error(
-                f"node {job.node_rank}: lost the master at {job.master_addr}:{job.master_port} "
-                f"while the nodes were forming the job ({first_line(error)}); node 0 most "
-                "likely stopped: see its output"
-            ) from error
-        raise
+        except ChildFailedError as failure:
+            raise failure_in_words(job, failure, stacks, attempts.made) from None
+        except SignalException as received:
+            raise JobStopped(received.sigval) from None
+        except Exception as error:  # rendezvous errors: the world never formed
+            described = never_formed(job, error)
+            if described is None:
+                raise
+            raise described from error
+
+
+def failure_in_words(
+    job: WorkerJob, failure: ChildFailedError, stacks: Path | None, attempts: int
+) -> DdpcliError:
+    collective_timeout = job.timeout_s if job.timeout_bounds_collectives else None
+    # Static on one node: every rank of the job is one of this node's workers.
+    one_node = job.nnodes == 1 and job.min_nnodes is None
+    world_size = job.nproc_per_node if one_node else None
+    return describe_failure(
+        failure, job.log_dir, collective_timeout, stacks, world_size, attempts=attempts
+    )
+
+
+def never_formed(job: WorkerJob, error: Exception) -> DdpcliError | None:
+    """The rendezvous's errors, which end a launch before its workers ran, in words; None
+    for any other error."""
+    name = type(error).__name__
+    if job.rendezvous is not None and ("Rendezvous" in name or "Timeout" in name):
+        host, port = job.rendezvous
+        return runtime_error(
+            f"the job never formed: {name} after {job.timeout_s:g}s waiting for "
+            f"{job.min_nnodes or job.nnodes} to {job.nnodes} host(s) at the c10d rendezvous "
+            f"{host}:{port} ({first_line(error)}); start the same command on enough hosts, "
+            "check that the endpoint's host runs it too, or raise --timeout"
+        )
+    if "Rendezvous" in name or "Timeout" in name:
+        return runtime_error(
+            f"the job never formed: {name} after {job.timeout_s:g}s waiting for "
+            f"{job.nnodes} node(s) at {job.master_addr}:{job.master_port}; start the same "
+            "command on every node (only --node-rank differs) or raise --timeout"
+        )
+    if name in ("DistNetworkError", "DistStoreError") and job.nnodes > 1:
+        # Node 0's agent hosts the store: it stopped (a node missing at its roll call,
+        # killed) while this node's agent was still forming the job with it.
+        return runtime_error(
+            f"node {job.node_rank}: lost the master at {job.master_addr}:{job.master_port} "
+            f"while the nodes were forming the job ({first_line(error)}); node 0 most "
+            "likely stopped: see its output"
+        )
+    return None
 
 
 ROLL_PREFIX = "ddpcli/roll/"

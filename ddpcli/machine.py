@@ -39,6 +39,12 @@ def nvidia_smi_listing() -> list[str] | None:
     return [line for line in listing.splitlines() if line.startswith("GPU ")]
 
 
+def nvidia_driver_version() -> str | None:
+    """The NVIDIA driver's version ("535.104.05"), from nvidia-smi's query; None without it."""
+    listing = run_tool(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
+    return listing.splitlines()[0].strip() if listing and listing.strip() else None
+
+
 # Where a GPU driver shows itself: NVIDIA's kernel module, WSL's GPU, AMD's ROCm (whose
 # GPUs torch.cuda also counts).
 GPU_DRIVER_TRACES = ("/proc/driver/nvidia", "/dev/dxg", "/dev/kfd")

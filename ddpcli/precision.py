@@ -1,6 +1,9 @@
 """What `--precision auto` becomes on this machine, and the reason the header gives.
 
-On GPUs: bf16 where CUDA has it. On the CPU: bf16 autocast only where both hold:
+On GPUs: bf16 from compute capability 8.0 (Ampere) on, where the tensor cores run bf16 and
+cuDNN has bf16 convolutions; a V100 (7.0) or T4 (7.5) keeps fp32, since there bf16 is emulated
+(torch.cuda.is_bf16_supported() counts emulation) and convolutions take a slow path. TF32,
+which fp32 runs use, starts at 8.0 too. On the CPU: bf16 autocast only where both hold:
 - the processor computes bf16 dot products natively (AVX512_BF16 or AMX-BF16), so oneDNN's
   bf16 convolutions and matmuls run about twice as many multiply-adds per instruction as
   fp32; without them, bf16 is emulated through fp32 and only adds the casts;
@@ -13,12 +16,19 @@ On GPUs: bf16 where CUDA has it. On the CPU: bf16 autocast only where both hold:
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    import torch
 
 # torchvision families built from depthwise (grouped) convolutions: fp32 under `auto`.
 DEPTHWISE_FAMILIES = ("mobilenet", "efficientnet", "mnasnet", "shufflenet")
 # cpuinfo's names (torch.cpu.get_capabilities) for native bf16 dot products, best first.
 NATIVE_BF16_FEATURES = {"amx_bf16": "AMX-BF16", "avx512_bf16": "AVX512_BF16"}
+
+
+# Ampere: bf16 and TF32 tensor cores, and cuDNN's bf16 convolutions.
+AMPERE = (8, 0)
 
 
 class PrecisionChoice(NamedTuple):
@@ -63,7 +73,24 @@ def auto_cpu_precision(arch: str, native_bf16: str | None) -> PrecisionChoice:
     )
 
 
-def auto_gpu_precision(bf16_supported: bool) -> PrecisionChoice:
-    if bf16_supported:
-        return PrecisionChoice("bf16", "auto: the GPU has bf16")
-    return PrecisionChoice("fp32", "auto: the GPU has no bf16")
+def gpu_capability(device: torch.device) -> tuple[int, int]:
+    """The compute capability of DEVICE, a CUDA device: (8, 0) for an A100."""
+    import torch
+
+    major, minor = torch.cuda.get_device_capability(device)
+    return major, minor
+
+
+def has_tf32(device: torch.device) -> bool:
+    """Whether fp32 matmuls and convolutions on DEVICE run on TF32 tensor cores."""
+    return device.type == "cuda" and gpu_capability(device) >= AMPERE
+
+
+def auto_gpu_precision(capability: tuple[int, int]) -> PrecisionChoice:
+    """`--precision auto` on a GPU of compute CAPABILITY."""
+    named = f"compute capability {capability[0]}.{capability[1]}"
+    if capability >= AMPERE:
+        return PrecisionChoice("bf16", f"auto: the GPU ({named}) has bf16 tensor cores")
+    return PrecisionChoice(
+        "fp32", f"auto: the GPU ({named}) emulates bf16; --precision fp16 uses its tensor cores"
+    )

@@ -15,10 +15,16 @@ from ddpcli.archs import check_arch
 from ddpcli.config import TrainConfig
 from ddpcli.config.common import elastic_rendezvous
 from ddpcli.data.layout import STL10_SIDE, check_data_source, resize_side, training_augment
-from ddpcli.environments import LauncherEnv
-from ddpcli.errors import usage_error
+from ddpcli.environments import LauncherEnv, check_meeting_place, left_aside
+from ddpcli.errors import DdpcliError, usage_error
 from ddpcli.files import folder_write_problem
-from ddpcli.machine import check_gpu_indices, check_interface, granted_gpus, physical_gpu_count
+from ddpcli.machine import (
+    check_gpu_indices,
+    check_interface,
+    granted_gpus,
+    nvidia_driver_version,
+    physical_gpu_count,
+)
 from ddpcli.precision import auto_cpu_precision, native_cpu_bf16
 from ddpcli.tbwriter import INSTALL_HINT, tensorboard_installed
 
@@ -38,7 +44,7 @@ def check_tensorboard(cfg: TrainConfig) -> None:
 
 def resolve_train_config(cfg: TrainConfig, launcher: LauncherEnv | None) -> TrainConfig:
     """Fill every "auto" value from the machine and check what only the machine can tell."""
-    return with_cpu_precision(checked_train_config(cfg, launcher))
+    return with_cpu_precision(with_usable_gpus(checked_train_config(cfg, launcher)))
 
 
 def checked_train_config(cfg: TrainConfig, launcher: LauncherEnv | None) -> TrainConfig:
@@ -48,9 +54,8 @@ def checked_train_config(cfg: TrainConfig, launcher: LauncherEnv | None) -> Trai
     if launcher is None:
         resolve_devices(values)
     else:
-        import torch
-
-        values["cpu"] = values["cpu"] or not torch.cuda.is_available()
+        check_meeting_place(launcher, cfg.init_method)
+        values["cpu"] = values["cpu"] or not launched_on_gpus()
     check_strategy(values, launcher)
     on_gpu = not values["cpu"]
     values["arch"] = values["arch"] or ("resnet18" if on_gpu else "smallcnn")
@@ -120,14 +125,95 @@ def check_ra_reps(ra_reps: int, world_size: int) -> None:
 def world_origin(cfg: TrainConfig, launcher: LauncherEnv | None) -> str:
     """Where the world came from, in words, for the run's header."""
     if launcher is not None:
-        named = {"slurm": "SLURM's srun (SLURM_PROCID, SLURM_NTASKS)"}
-        return named.get(launcher.launcher, f"a launcher's RANK/WORLD_SIZE ({launcher.launcher})")
+        return launcher.describe()
     where = cfg.world_from or "the command line"
+    if unused := left_aside():
+        where = f"{where}; {unused}"
     if cfg.elastic:
         host, port = cfg.rendezvous_address(DEFAULT_MASTER_PORT)
         nodes = f"{cfg.min_nnodes or cfg.nnodes}:{cfg.nnodes}"
         return f"{where}; c10d rendezvous of {nodes} nodes at {host}:{port}"
     return where
+
+
+# The oldest Linux driver each CUDA major version runs on (CUDA's minor version compatibility).
+MINIMUM_DRIVER = {11: 450, 12: 525, 13: 580}
+
+
+def with_usable_gpus(cfg: TrainConfig) -> TrainConfig:
+    """A run on GPUs that torch cannot use is refused here: its workers would each fall back
+    to the CPU unseen (an 8-GPU node training as 8 Gloo processes)."""
+    if not cfg.cpu:
+        check_torch_sees_gpus(len(cfg.gpus or []), on_the_cpu="pass --cpu to run on the CPU")
+    return cfg
+
+
+def launched_on_gpus() -> bool:
+    """Under a launcher (torchrun, srun): whether this rank trains on a GPU. The CPU when
+    there is none; exit 2 when nvidia-smi lists GPUs (that this shell may use) torch cannot."""
+    import torch
+
+    if torch.cuda.is_available():
+        return True
+    count = physical_gpu_count()
+    try:
+        granted = granted_gpus(count) if count else []
+    except DdpcliError:  # entries only CUDA reads (MIG slices): the GPUs are there
+        granted = None
+    gpus = count if granted is None else len(granted)
+    check_torch_sees_gpus(gpus, on_the_cpu="pass --cpu to run on the CPU")
+    return False
+
+
+def check_torch_sees_gpus(gpus: int, on_the_cpu: str) -> None:
+    """GPUS were asked for, or nvidia-smi lists them: exit 2 if torch cannot use them, naming
+    torch's CUDA and the driver's version. `on_the_cpu` says how to run the command without."""
+    if gpus == 0:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    problem, fix = gpus_torch_cannot_use(
+        torch.__version__, torch.version.cuda, nvidia_driver_version(), gpus
+    )
+    raise usage_error(f"{problem}; {fix}, or {on_the_cpu}")
+
+
+def gpus_torch_cannot_use(
+    torch_version: str, cuda: str | None, driver: str | None, gpus: int
+) -> tuple[str, str]:
+    """What is wrong, and what to do, when torch cannot use the GPUS nvidia-smi lists: the
+    words of the refusal above and of check-env's CUDA row."""
+    if not cuda:
+        return (
+            f"torch {torch_version} is a CPU-only build, but nvidia-smi lists {gpus} GPU(s)",
+            "install a CUDA build of torch (pytorch.org/get-started)",
+        )
+    driver_text = f"driver {driver}" if driver else "a driver nvidia-smi does not name"
+    problem = (
+        f"torch {torch_version} (CUDA {cuda}) cannot use the {gpus} GPU(s) nvidia-smi lists "
+        f"with {driver_text}"
+    )
+    cuda_major = int(cuda.split(".")[0])
+    needed = MINIMUM_DRIVER.get(cuda_major)
+    if needed is not None and driver and driver_major(driver) < needed:
+        return (
+            f"{problem}: CUDA {cuda_major} needs driver {needed} or newer",
+            f"install a driver of {needed} or newer, or a torch build for an older CUDA "
+            "(pytorch.org/get-started/previous-versions)",
+        )
+    return (
+        problem,
+        f"check that this process may reach the GPUs (/dev/nvidia*, a container's GPU access) "
+        f"and that the driver supports CUDA {cuda}",
+    )
+
+
+def driver_major(driver: str) -> int:
+    """535 for "535.104.05"; 0 when nvidia-smi's answer is not a version."""
+    head = driver.split(".")[0]
+    return int(head) if head.isdigit() else 0
 
 
 def with_cpu_precision(cfg: TrainConfig) -> TrainConfig:

@@ -9,11 +9,14 @@ before any worker starts.
 from __future__ import annotations
 
 import importlib.util
+import os
+import sys
 from pathlib import Path
 
 from ddpcli.checkenv.network import port_holder, port_is_free
 from ddpcli.config import ScriptLaunchConfig
 from ddpcli.errors import DdpcliError, usage_error
+from ddpcli.files import folder_write_problem
 from ddpcli.launch import (
     STORE_PER_ROUND,
     JobStopped,
@@ -22,18 +25,25 @@ from ddpcli.launch import (
     run_workers,
     worker_environment,
 )
-from ddpcli.machine import check_gpu_indices, check_interface, physical_gpu_count
+from ddpcli.machine import check_gpu_indices, check_interface, granted_gpus, physical_gpu_count
 
 BOOTSTRAP_MODULE = "ddpcli.bootstrap"
 CPU_PROCESSES = 2  # with no GPU and no --nproc, as `ddpcli train` does
 
 
 def resolve_script_launch(cfg: ScriptLaunchConfig) -> ScriptLaunchConfig:
-    """Without --gpus or --nproc: one process per GPU of the machine (torchrun's workers pick
-    theirs from LOCAL_RANK), else CPU_PROCESSES processes."""
+    """Without --gpus or --nproc: one process per GPU this shell may use (torchrun's workers
+    pick theirs from LOCAL_RANK), else CPU_PROCESSES processes. A CUDA_VISIBLE_DEVICES set
+    by a scheduler (or a user) grants some: one process each, as `ddpcli train` does."""
     if cfg.gpus or cfg.nproc is not None:
         return cfg
-    return cfg.model_copy(update={"nproc": physical_gpu_count() or CPU_PROCESSES})
+    count = physical_gpu_count()
+    granted = granted_gpus(count) if count else None
+    if granted is None:
+        return cfg.model_copy(update={"nproc": count or CPU_PROCESSES})
+    if not granted:  # "-1" or "": every GPU hidden, as CUDA reads it
+        return cfg.model_copy(update={"nproc": CPU_PROCESSES})
+    return cfg.model_copy(update={"gpus": granted})
 
 
 def check_before_start(cfg: ScriptLaunchConfig) -> None:
@@ -42,26 +52,52 @@ def check_before_start(cfg: ScriptLaunchConfig) -> None:
     check_gpu_indices(cfg.gpus, cpu_alternative="--nproc N without --gpus")
     if cfg.ifname:
         check_interface(cfg.ifname)
-    if cfg.master_port is not None and cfg.node_rank == 0 and not (cfg.standalone or cfg.elastic):
+    if cfg.log_dir is not None:
+        check_log_dir(cfg.log_dir)
+    # --standalone is one node: its agent listens on --master-port when one is given.
+    if cfg.master_port is not None and cfg.node_rank == 0 and not cfg.elastic:
         check_master_port(cfg.master_port)
 
 
 def check_target(cfg: ScriptLaunchConfig) -> None:
     if cfg.module:
-        try:
-            found = importlib.util.find_spec(cfg.target) is not None
-        except (ImportError, ValueError):
-            found = False
-        if not found:
-            raise usage_error(
-                f"no module named {cfg.target!r} here: run from the folder that holds it, or "
-                "put it on PYTHONPATH"
-            )
+        check_module(cfg.target)
         return
     script = Path(cfg.target)
-    if not script.is_file():
-        what = "is a folder" if script.is_dir() else "does not exist"
-        raise usage_error(f"invalid SCRIPT: {script} {what}; give a Python file, or -m MODULE")
+    if script.is_dir() and not (script / "__main__.py").is_file():
+        raise usage_error(
+            f"invalid SCRIPT: {script} is a folder without __main__.py; give a Python file, a "
+            "folder with __main__.py, or -m MODULE"
+        )
+    if not script.exists():
+        raise usage_error(
+            f"invalid SCRIPT: {script} does not exist; give a Python file, or -m MODULE"
+        )
+
+
+def check_module(name: str) -> None:
+    """Found as `python -m NAME` finds it in the workers: the working folder first on the
+    path (the `ddpcli` program's own path starts with its bin folder instead)."""
+    sys.path.insert(0, os.getcwd())
+    try:
+        found = importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        found = False
+    finally:
+        sys.path.remove(os.getcwd())
+    if not found:
+        raise usage_error(
+            f"no module named {name!r} here: run from the folder that holds it, or put it on "
+            "PYTHONPATH"
+        )
+
+
+def check_log_dir(log_dir: str) -> None:
+    """The agent makes --log-dir's folders as the workers start: a file there, or a
+    read-only place, would end the launch in a traceback."""
+    problem = folder_write_problem(Path(log_dir))
+    if problem:
+        raise usage_error(f"invalid --log-dir: cannot write in {log_dir}: {problem}; give a folder")
 
 
 def check_master_port(port: int) -> None:
@@ -78,9 +114,7 @@ def check_master_port(port: int) -> None:
 
 def script_job(cfg: ScriptLaunchConfig) -> WorkerJob:
     target = ["-m", cfg.target] if cfg.module else [cfg.target]
-    membership = job_membership(cfg)
-    if cfg.standalone:  # one node, its rendezvous on a free port
-        membership["master_port"] = None
+    membership = job_membership(cfg)  # --standalone: one node, on --master-port if given
     return WorkerJob(
         module=BOOTSTRAP_MODULE,
         args=[*target, *cfg.script_args],
@@ -90,6 +124,13 @@ def script_job(cfg: ScriptLaunchConfig) -> WorkerJob:
         log_dir=cfg.log_dir,
         timeout_bounds_collectives=False,
         stacks_to_report=True,
+        redirects=cfg.redirects,
+        tee=cfg.tee,
+        local_ranks_filter=cfg.local_ranks_filter,
+        rdzv_settings=cfg.rdzv_conf,
+        role=cfg.role,
+        monitor_interval=cfg.monitor_interval,
+        local_addr=cfg.local_addr,
         # The nodes' agents compare these at the roll call: a job is one script, one size.
         settings={
             "script": " ".join([*target, *cfg.script_args]),

@@ -31,6 +31,11 @@ def stack_file_name(rank: int) -> str:
     return f"stack-{rank}.txt"
 
 
+def finished_file_name(rank: int) -> str:
+    """Left in the same folder by a worker whose script ended well (exit code 0)."""
+    return f"finished-{rank}"
+
+
 Frame = dict  # {"file": str, "line": int, "function": str}
 
 
@@ -114,6 +119,23 @@ def where_stopped(stack_file: Path) -> Frame | None:
     except OSError:
         return None
     return first_frame(dump, is_users_code) or first_frame(dump, lambda frame: True)
+
+
+# A frame of a traceback as Python prints it, and the line of code under it.
+TRACEBACK_FRAME = re.compile(
+    r'^  File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<function>.+)\n(?P<code>    .*)?',
+    re.MULTILINE,
+)
+
+
+def innermost_users_frame(traceback_text: str) -> Frame | None:
+    """The last frame of the script's own code in a printed traceback, with its code."""
+    frames = [match.groupdict() for match in TRACEBACK_FRAME.finditer(traceback_text)]
+    theirs = [frame for frame in frames if is_users_code(frame)]
+    if not theirs:
+        return None
+    frame = theirs[-1]
+    return {**frame, "line": int(frame["line"]), "code": (frame["code"] or "").strip()}
 
 
 def place_in_words(frame: Frame) -> str:

@@ -9,6 +9,10 @@
   (as `--max-steps` does) and ends; a resume continues exactly from it.
 - The agent's SIGTERM after another rank failed: no preemption, the rank leaves at once
   (ddpcli.peer_failure).
+- SIGTERM when the preemption signal is another (USR1): an ordinary termination. Every rank
+  leaves at once without saving (a scheduler's SIGTERM after USR1 means the grace is over);
+  rank 0 first leaves where the run stopped, for the launcher to say in one line. No stack
+  dumps: the ranks were stopped, not stuck (--debug prints them).
 """
 
 from __future__ import annotations
@@ -18,13 +22,15 @@ import faulthandler
 import os
 import signal
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
 import torch
 
 from ddpcli.dist import DistContext, all_reduce_max
-from ddpcli.errors import RUNTIME, STOPPED_FOR_PEER
+from ddpcli.errors import RUNTIME, STOPPED_FOR_PEER, debug_requested
 from ddpcli.process import end_quietly, record_for_agent
 from ddpcli.stacks import main_thread_now, place_in_words
 
@@ -32,6 +38,12 @@ from ddpcli.stacks import main_thread_now, place_in_words
 # collective with a peer that died on another node, whose agent could leave no notice
 # here): print where, before the agent's SIGKILL (30 s) ends it.
 STUCK_AFTER_S = 20.0
+
+# Rank 0's record of a run that stopped early, which the launcher reads (and the summary of
+# a finished one).
+SUMMARY_FILE = "summary.json"
+# A rank ended by SIGTERM, as a shell reports it (128 + 15).
+TERMINATED = 128 + signal.SIGTERM
 
 
 class Interrupted(KeyboardInterrupt):
@@ -75,12 +87,19 @@ class Preemption:
     stuck in a collective never reaches; the interpreter's wakeup file descriptor is written
     at once, so a small thread sees the signal even then and arms the stack dump."""
 
-    def __init__(self, signal_name: str, every_steps: int) -> None:
+    def __init__(
+        self, signal_name: str, every_steps: int, on_terminate: Callable[[], None] | None = None
+    ) -> None:
+        """ON_TERMINATE: called before the rank leaves on a SIGTERM that is not the
+        preemption signal (rank 0 records where the run stopped)."""
         self.signum = signal.Signals[f"SIG{signal_name}"]
         self.every_steps = max(1, every_steps)
         self.received = threading.Event()
         self.agreed = False
-        self._previous: Any = None
+        self.on_terminate = on_terminate
+        # Watched too when it does not preempt: else it ends the rank with a stack dump.
+        self.watched = {self.signum, signal.SIGTERM}
+        self._previous: dict[signal.Signals, Any] = {}
         self._pipe: tuple[int, int] | None = None
 
     def __enter__(self) -> Preemption:
@@ -89,13 +108,16 @@ class Preemption:
         read_end, write_end = os.pipe()
         os.set_blocking(write_end, False)
         self._pipe = (read_end, write_end)
-        self._previous = signal.signal(self.signum, lambda *_: None)
+        for signum in self.watched:
+            self._previous[signum] = signal.signal(signum, lambda *_: None)
         signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
         threading.Thread(target=self._watch, args=(read_end,), daemon=True).start()
         return self
 
     def _watch(self, read_end: int) -> None:
         while data := os.read(read_end, 64):
+            if signal.SIGTERM in data and self.signum != signal.SIGTERM:
+                self._terminate()
             if self.signum in data and not self.received.is_set():
                 if _failed_peer_noticed() and not self.agreed:  # not while saving for one
                     leave_for_failed_peer()
@@ -103,12 +125,27 @@ class Preemption:
                 faulthandler.dump_traceback_later(STUCK_AFTER_S)
         os.close(read_end)
 
+    def _terminate(self) -> NoReturn:
+        """Out now, from this thread: the main one may be inside a collective."""
+        if _failed_peer_noticed():
+            leave_for_failed_peer()
+        _terminating.set()
+        if self.on_terminate is not None:
+            with contextlib.suppress(Exception):  # leaving matters more than the record
+                self.on_terminate()
+        if debug_requested():
+            faulthandler.dump_traceback(all_threads=True)
+        # Said when this rank alone got it: the launcher names it as the rank that failed.
+        record_for_agent(RuntimeError(f"SIGTERM, not the preemption signal ({self.signal_name})"))
+        end_quietly(TERMINATED)
+
     def __exit__(self, *exc: object) -> None:
         faulthandler.cancel_dump_traceback_later()  # the loop has ended: not stuck in it
         if self._pipe is None:
             return
         signal.set_wakeup_fd(-1)
-        signal.signal(self.signum, self._previous or signal.SIG_DFL)
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous or signal.SIG_DFL)
         with contextlib.suppress(OSError):
             os.close(self._pipe[1])  # the watching thread reads the end of the pipe and ends
         self._pipe = None
@@ -153,6 +190,16 @@ def leave_for_failed_peer() -> NoReturn:
     where = f" while {'waiting' if waiting else 'busy'} at {place_in_words(place)}" if place else ""
     record_for_agent(RuntimeError(STOPPED_FOR_PEER + where))
     end_quietly(RUNTIME)
+
+
+_terminating = threading.Event()
+
+
+def wait_if_terminating() -> None:
+    """A rank's error while its SIGTERM is being handled (a peer that already left) is a
+    consequence: the thread that handles it ends the process, with the record it writes."""
+    if _terminating.is_set():
+        time.sleep(10)
 
 
 _interrupted = threading.Event()

@@ -162,6 +162,7 @@ def wrap_model(model: nn.Module, cfg: TrainConfig, ctx: DistContext) -> nn.Modul
             device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
             gradient_as_bucket_view=True,  # gradients live in the buckets: no extra copy
             bucket_cap_mb=cfg.bucket_cap_mb,
+            find_unused_parameters=cfg.find_unused_parameters,
         )
     device_ids = list(range(torch.cuda.device_count()))
     autocast = (

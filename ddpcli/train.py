@@ -43,8 +43,10 @@ from ddpcli.data.sets import SKIPPED_IMAGES_FILE
 from ddpcli.dist import DistContext, all_reduce_max, all_reduce_sum, barrier
 from ddpcli.ema import WeightAverage, adjusted_decay, slow_average_warning
 from ddpcli.errors import DdpcliError, agreed_error, runtime_error
+from ddpcli.files import write_text_atomic
 from ddpcli.models import build_model
 from ddpcli.param_groups import weight_decay_groups
+from ddpcli.precision import has_tf32
 from ddpcli.rankload import (
     METRIC_SLOTS,
     RankClock,
@@ -54,7 +56,7 @@ from ddpcli.rankload import (
     straggler_note,
 )
 from ddpcli.steplog import StepLog
-from ddpcli.stopping import Interrupted, Preemption, stop_record
+from ddpcli.stopping import SUMMARY_FILE, Interrupted, Preemption, stop_record
 from ddpcli.strategy import AUTOCAST_DTYPES, batch_split, model_devices, unwrap, wrap_model
 from ddpcli.syncbn import convert_sync_batchnorm
 from ddpcli.timing import synced_clock, synchronize
@@ -94,7 +96,7 @@ def make_optimizer(
     if cfg.optimizer == "adamw":
         betas = cfg.betas or [0.9, 0.999]
         return torch.optim.AdamW(groups, lr=lr, betas=(betas[0], betas[1]), **fused)
-    return torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum, nesterov=True, **fused)
+    return torch.optim.SGD(groups, lr=lr, momentum=cfg.resolved_momentum, nesterov=True, **fused)
 
 
 def describe_optimizer(cfg: TrainConfig) -> str:
@@ -102,7 +104,7 @@ def describe_optimizer(cfg: TrainConfig) -> str:
     whether --lr-scaling is its default."""
     decay = f"weight decay {cfg.resolved_weight_decay:g}"
     if cfg.optimizer != "adamw":
-        return f"sgd (nesterov momentum {cfg.momentum:g}, {decay})"
+        return f"sgd (nesterov momentum {cfg.resolved_momentum:g}, {decay})"
     betas = ", ".join(f"{beta:g}" for beta in cfg.betas or [])
     scaling = cfg.resolved_lr_scaling
     default = OPTIMIZER_DEFAULTS["adamw"]["lr_scaling"]
@@ -155,7 +157,7 @@ def describe_precision(precision: str, device: torch.device, reason: str | None 
     """`bf16 (auto: the CPU has AMX-BF16 and resnet18 is conv/matmul-bound)`: what runs and,
     when --precision auto chose it, why."""
     notes = [reason] if reason else []
-    if precision == "fp32" and device.type == "cuda":
+    if precision == "fp32" and has_tf32(device):
         notes.append("TF32 tensor cores in matmuls and convolutions")
     return f"{precision} ({'; '.join(notes)})" if notes else precision
 
@@ -195,7 +197,9 @@ class Trainer:
         self.saved_step: int | None = None  # the step of the newest checkpoint in --out
         self.finite_step = 0  # the last step at which the loss was checked and finite
         self.steplog = StepLog(self.out, ctx.is_main, tensorboard=cfg.tensorboard)
-        self.preemption = Preemption(cfg.preempt_signal, every_steps=cfg.log_every)
+        self.preemption = Preemption(
+            cfg.preempt_signal, every_steps=cfg.log_every, on_terminate=self.record_termination
+        )
         # This rank's data wait and own compute (ddpcli.rankload).
         self.clock = RankClock(unwrap(self.model), hook_forward=not cfg.compile)
 
@@ -312,6 +316,14 @@ class Trainer:
             reason, state.epoch + 1, state.step, self.saved_step, self.steps_per_epoch, self.out
         )
 
+    def record_termination(self) -> None:
+        """A SIGTERM that is not the preemption signal ends every rank now, unsaved: rank 0
+        leaves where the run stopped, for the launcher's one line."""
+        if not self.ctx.is_main:
+            return
+        record = {**self.stop_record("terminated"), "preempt_signal": self.preemption.signal_name}
+        write_text_atomic(self.out / SUMMARY_FILE, ui.json_text(record) + "\n")
+
     def work_left(self) -> bool:
         """False, said on rank 0, when a resume finds the work done: not a silent exit 0,
         and its outputs (metrics.jsonl too) stay as they are."""
@@ -346,6 +358,14 @@ class Trainer:
                 "the --resume file) on a file system every node shares"
             )
         return path
+
+    def micro_batches_to_run(self, micro_total: int) -> int:
+        """The micro-batches this epoch will run: fewer than it holds when --max-steps stops
+        it inside (its timing window is planned on these, or a short run times nothing)."""
+        left = micro_total - self.state.batch_in_epoch
+        if self.cfg.max_steps is None:
+            return left
+        return min(left, (self.cfg.max_steps - self.state.step) * self.cfg.accumulate)
 
     def reached_max_steps(self) -> bool:
         return self.cfg.max_steps is not None and self.state.step >= self.cfg.max_steps
@@ -451,7 +471,7 @@ class Trainer:
             state.epoch, skip_batches=state.batch_in_epoch, start=state.epoch_start
         )
         micro_total = self.epoch_micro_batches()
-        timer = StepTimer(ctx.device, micro_total - state.batch_in_epoch)
+        timer = StepTimer(ctx.device, self.micro_batches_to_run(micro_total))
         first_step_at = None
         progress.start_epoch(state.epoch, state.batch_in_epoch)
         for images, labels in self.clock.waited(batches):
@@ -797,8 +817,12 @@ class StepTimer:
             return None
         return self.images * ctx.world_size / max(time.perf_counter() - self.start, 1e-9)
 
-    def images_per_sec(self, ctx: DistContext) -> float:
+    def images_per_sec(self, ctx: DistContext) -> float | None:
+        """None when no step was timed (a preemption within the first steps): 0 would read as
+        a stalled run."""
         elapsed = synced_clock(self.device) - self.start if self.start is not None else 0.0
         images = all_reduce_sum(torch.tensor([float(self.images)], device=ctx.device), ctx)
         slowest = all_reduce_max(torch.tensor([elapsed], device=ctx.device), ctx)
+        if not images.item():
+            return None
         return float(images.item() / max(slowest.item(), 1e-9))

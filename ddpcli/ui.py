@@ -66,10 +66,13 @@ def format_metrics(metrics: dict) -> str:
         validation = "not validated"
     else:
         validation = f"val loss {metrics['val_loss']:.4f} · val acc {100 * metrics['val_acc']:.2f}%"
-    return (
-        f"train loss {metrics['train_loss']:.4f} · {validation}{ema} · "
-        f"{metrics['images_per_sec']:.0f} img/s"
-    )
+    return f"train loss {metrics['train_loss']:.4f} · {validation}{ema} · {rate_of(metrics)}"
+
+
+def rate_of(metrics: dict) -> str:
+    """`1234 img/s`, or that there was none: a run stopped within its first, untimed steps."""
+    rate = metrics.get("images_per_sec")
+    return "img/s not measured" if rate is None else f"{rate:.0f} img/s"
 
 
 def epoch_line(metrics: dict, epochs: int) -> None:

@@ -27,8 +27,10 @@ from ddpcli.environments import LauncherEnv, read_launcher_env
 from ddpcli.errors import (
     INTERRUPTED,
     RUNTIME,
+    STOPPED_FOR_PEER,
     USAGE,
     DdpcliError,
+    agreed_error,
     debug_requested,
     first_line,
     gave_up_waiting,
@@ -38,7 +40,12 @@ from ddpcli.errors import (
 from ddpcli.files import write_text_atomic
 from ddpcli.machine import cpu_count
 from ddpcli.peer_failure import LATER_ROUND_FILE, PEER_FAILED_FILE
-from ddpcli.precision import auto_cpu_precision, auto_gpu_precision, native_cpu_bf16
+from ddpcli.precision import (
+    auto_cpu_precision,
+    auto_gpu_precision,
+    gpu_capability,
+    native_cpu_bf16,
+)
 from ddpcli.process import (
     AGREED_STOP_FILE,
     collect_then_freeze,
@@ -50,10 +57,15 @@ from ddpcli.process import (
     record_for_agent,
     recorded,
 )
-from ddpcli.stopping import Interrupted, note_failed_peers, note_interrupts, was_interrupted
+from ddpcli.stopping import (
+    SUMMARY_FILE,
+    Interrupted,
+    note_failed_peers,
+    note_interrupts,
+    wait_if_terminating,
+    was_interrupted,
+)
 from ddpcli.train import Trainer
-
-SUMMARY_FILE = "summary.json"
 
 
 def finalize_for_device(cfg: TrainConfig, ctx: DistContext) -> TrainConfig:
@@ -62,7 +74,7 @@ def finalize_for_device(cfg: TrainConfig, ctx: DistContext) -> TrainConfig:
     # --nproc/--gpus describe.
     updates: dict[str, Any] = {"backend": ctx.backend, "peak_lr": cfg.peak_lr_at(ctx.world_size)}
     if cfg.precision == "auto" and ctx.device.type == "cuda":
-        choice = auto_gpu_precision(torch.cuda.is_bf16_supported())
+        choice = auto_gpu_precision(gpu_capability(ctx.device))
         updates["precision"], updates["precision_reason"] = choice
     elif cfg.precision == "auto":  # a CPU that the launcher took for a GPU machine
         choice = auto_cpu_precision(cfg.resolved_arch, native_cpu_bf16())
@@ -211,19 +223,32 @@ def main(argv: list[str]) -> None:
     except KeyboardInterrupt as stop:
         end_interrupted(stop, env, cfg)
     except Exception as error:
+        wait_if_terminating()  # a peer that left on the same SIGTERM: no news
         if was_interrupted():  # a peer that stopped first: a consequence of the Ctrl-C
             end_interrupted(None, env, cfg)
         if debug_requested() and not isinstance(error, DdpcliError):
             raise  # @recorded prints the traceback and hands it to the agent
         if not isinstance(error, DdpcliError) and (
-            lost_a_peer(str(error)) or gave_up_waiting(error)
+            lost_a_peer(str(error)) or gave_up_waiting(error) or STOPPED_FOR_PEER in str(error)
         ):  # A consequence: the launcher names the rank that failed first, and why.
             record_for_agent(error)
             end_quietly(RUNTIME)
+        error = in_our_words(error)
         speaks = True
         if isinstance(error, DdpcliError) and error.every_rank:
             speaks = says_agreed_stop(error, Path(argv[1]).with_name(AGREED_STOP_FILE))
         exit_for_error(error, env.rank, speaks)
+
+
+def in_our_words(error: Exception) -> Exception:
+    """DDP's advice for a parameter that got no gradient names its constructor's keyword:
+    say the flag that sets it. Every rank meets it at the same step."""
+    if isinstance(error, DdpcliError) or "find_unused_parameters=True" not in str(error):
+        return error
+    return agreed_error(
+        "some of the model's parameters took no part in the loss (a branch it does not always "
+        "take), and DDP waits for their gradients: add --find-unused-parameters"
+    )
 
 
 def says_agreed_stop(error: DdpcliError, record: Path) -> bool:

@@ -54,6 +54,16 @@ def test_staggered_demo_ranks_leave_together_when_the_last_arrives():
     assert result.stderr.strip() == ""  # --json: no human output
 
 
+def test_one_rank_times_a_real_barrier():
+    """A one-GPU node's default world: one rank still forms a group, whose barrier is timed."""
+    result = bench("--nproc", "1", "--iters", "5", "--json")
+    assert result.returncode == 0, result.stderr
+    assert_no_traceback(result)
+    report = json.loads(result.stdout)
+    assert [row["rank"] for row in report["ranks"]] == [0]
+    assert_contract_shape(report, world_size=1)
+
+
 def assert_contract_shape(report: dict, world_size: int) -> None:
     for row in report["ranks"]:
         assert {"rank", "arrive_s", "leave_s", "wait_s"} <= row.keys()

@@ -157,6 +157,35 @@ def test_probe_with_two_gloo_processes():
     assert len(probe["facts"]) == 2
 
 
+def test_probe_of_one_process_forms_a_group_and_passes():
+    """One process (a one-GPU node's default) is still a group: all_reduce and barrier run."""
+    result = run_cli(
+        "check-env", "--probe", "--nproc", "1", "--backend", "gloo", "--json",
+        timeout=PROBE_TIMEOUT_S,
+    )  # fmt: skip
+    document = report(result)
+    found = rows(document, "probe")
+    assert not failed(document), (failed(document), result.stderr[-2000:])
+    assert result.returncode == 0
+    assert document["probe"]["world_size"] == 1
+    for name in ("process group", "all_reduce result", "barrier latency", "rank 0"):
+        assert found[name]["status"] == "ok", found[name]
+
+
+@pytest.mark.gpu
+def test_probe_of_one_gpu_forms_an_nccl_group_and_passes():
+    """A one-GPU node's default world: one NCCL rank, a real group, its collectives checked."""
+    result = run_cli(
+        "check-env", "--probe", "--nproc", "1", "--backend", "nccl", "--json",
+        timeout=PROBE_TIMEOUT_S,
+    )  # fmt: skip
+    document = report(result)
+    found = rows(document, "probe")
+    assert document["probe"]["world_size"] == 1 and document["probe"]["backend"] == "nccl"
+    for name in ("process group", "all_reduce result", "barrier latency", "rank 0"):
+        assert found[name]["status"] == "ok", (found[name], result.stderr[-2000:])
+
+
 def node_command(host, node_rank: int, master, ifname: str, *extra: str) -> list[str]:
     return host.command(
         sys.executable, "-m", "ddpcli", "check-env", "--probe", "--json",

@@ -148,19 +148,33 @@ def test_cuda_on_a_cpu_only_node_is_fine():
     assert row.detail == "CPU-only torch build; no GPU on this node, so runs use Gloo on the CPU"
 
 
-def test_cpu_only_torch_on_a_gpu_node_warns():
+def test_cpu_only_torch_on_a_gpu_node_fails_as_train_refuses_it():
     facts_ = node(versions={**VERSIONS, "cuda": ""}, cuda_available=False, visible_gpus=0)
     row = checks.cuda_row(facts_)
-    assert row.status == "warn"
-    assert "CPU-only torch build, but nvidia-smi shows 2 GPU(s)" in row.detail
-    assert "install a CUDA build of torch" in row.fix
+    assert row.status == "fail"
+    assert row.detail == "torch 2.14.1 is a CPU-only build, but nvidia-smi lists 2 GPU(s)"
+    assert "install a CUDA build of torch" in row.fix and "--cpu" in row.fix
 
 
 def test_cuda_build_that_cannot_use_the_gpus_fails_naming_the_driver():
     row = checks.cuda_row(node(cuda_available=False, visible_gpus=0))
     assert row.status == "fail"
-    assert "torch (CUDA 13.0) cannot use the 2 GPU(s) nvidia-smi shows, driver 580.1" in row.detail
-    assert "NVIDIA driver that supports CUDA 13.0" in row.fix
+    assert row.detail == (
+        "torch 2.14.1 (CUDA 13.0) cannot use the 2 GPU(s) nvidia-smi lists with driver 580.1"
+    )
+    assert "driver supports CUDA 13.0" in row.fix
+
+
+def test_a_driver_too_old_for_torchs_cuda_is_named_with_the_one_needed():
+    """The cu130 wheel on a cluster's 535 driver: CUDA 13 needs 580 or newer."""
+    versions = {**VERSIONS, "driver": "535.104.05"}
+    row = checks.cuda_row(node(versions=versions, cuda_available=False, visible_gpus=0))
+    assert row.status == "fail"
+    assert row.detail == (
+        "torch 2.14.1 (CUDA 13.0) cannot use the 2 GPU(s) nvidia-smi lists with driver "
+        "535.104.05: CUDA 13 needs driver 580 or newer"
+    )
+    assert row.fix.startswith("install a driver of 580 or newer, or a torch build for an older")
 
 
 def test_cuda_when_cuda_visible_devices_hides_every_gpu():

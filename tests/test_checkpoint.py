@@ -20,7 +20,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from conftest import REPO, run_cli, run_on_read_only_mount
+from conftest import REPO, clean_env, run_bounded, run_cli, run_on_read_only_mount
 from typer.testing import CliRunner
 
 from ddpcli import files
@@ -51,10 +51,13 @@ def invoke(*args: str):
 def training_payload(arch: str = "tinycnn", num_classes: int = 10, prefix: str = "") -> dict:
     """What Trainer.checkpoint_payload writes, built without a training run."""
     from ddpcli.models import build_model
+    from ddpcli.param_groups import weight_decay_groups
 
     torch.manual_seed(0)
     model = build_model(arch, num_classes)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    # The trainer's parameter groups (decay, no decay): a resume loads them into its own.
+    groups = weight_decay_groups(model, weight_decay=5e-4, norm_weight_decay=0.0)
+    optimizer = torch.optim.SGD(groups, lr=0.1, momentum=0.9)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     config = TrainConfig(arch=arch, epochs=3, cpu=True, image_size=16)
     return {
@@ -534,3 +537,280 @@ def test_convert_onto_a_read_only_file_system_is_exit_2(saved, tmp_path):
     result = run_on_read_only_mount(folder, f"checkpoint convert {saved} {folder}/out.pt", 60)
     assert result.returncode == 2, result.stderr
     assert "invalid OUT:" in result.stderr and "read-only file system" in result.stderr
+
+
+# --- A custom model's arguments and its load line (34.2, 34.3) --------------------------------
+
+MODS = """
+from torch import nn
+
+
+def tiny(num_classes, width=8):
+    return nn.Sequential(
+        nn.Conv2d(3, width, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(width, num_classes)
+    )
+"""
+
+
+def custom_checkpoint(folder: Path, arch: str) -> Path:
+    """A genuine checkpoint of `--arch ARCH --model-arg width=4` (mods.py's tiny)."""
+    import importlib.util
+
+    (folder / "mods.py").write_text(MODS)
+    spec = importlib.util.spec_from_file_location("mods_for_the_test", folder / "mods.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    payload = training_payload()
+    payload["model"] = module.tiny(10, width=4).state_dict()
+    payload["config"].update(arch=arch, model_args={"width": 4})
+    path = folder / "custom.pt"
+    atomic_save(payload, path)
+    return path
+
+
+def test_verify_builds_a_custom_model_with_its_model_args(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [str(tmp_path), *sys.path])
+    path = custom_checkpoint(tmp_path, "mods.py:tiny")
+    result = invoke("checkpoint", "verify", str(path), "--arch", "mods.py:tiny", "--json")
+    assert result.exit_code == 0, result.stderr
+    (model,) = [c for c in json.loads(result.stdout)["checks"] if c["check"] == "model"]
+    assert model == {
+        "check": "model",
+        "status": "pass",
+        "detail": "mods.py:tiny(num_classes=10, width=4) accepts all 4 tensors",
+    }
+
+
+@pytest.mark.parametrize(
+    ("arch", "hint"),
+    [
+        ("mods:tiny", "from mods import tiny; tiny(num_classes=10, width=4).load_state_dict("),
+        ("mods.py:tiny", "from mods import tiny; tiny(num_classes=10, width=4).load_state_dict("),
+        ("{folder}/mods.py:tiny", "tiny = runpy.run_path('{folder}/mods.py')['tiny']; tiny("),
+    ],
+)
+def test_convert_of_a_custom_model_prints_a_python_line_that_loads_it(tmp_path, arch, hint):
+    arch, hint = arch.format(folder=tmp_path), hint.format(folder=tmp_path)
+    path, out = custom_checkpoint(tmp_path, arch), tmp_path / "weights.pt"
+    result = invoke("checkpoint", "convert", str(path), str(out), "--json")
+    assert result.exit_code == 0, result.stderr
+    line = json.loads(result.stdout)["load_hint"]
+    assert hint in line
+    loads = subprocess.run(
+        [sys.executable, "-c", f"import torch; {line}"], cwd=tmp_path, capture_output=True,
+        text=True, timeout=60,
+    )  # fmt: skip
+    assert loads.returncode == 0, loads.stderr[-2000:]
+
+
+# --- Resume checks what verify checks (34.11), and the optimizer (34.15) ----------------------
+
+
+def with_momentum(payload: dict, value: float) -> dict:
+    """PAYLOAD as after some steps of SGD: a momentum buffer for the first parameter."""
+    first = payload["model"]["features.0.0.weight"]
+    payload["optimizer"]["state"] = {0: {"momentum_buffer": torch.full_like(first, value)}}
+    return payload
+
+
+def last_checkpoint(tmp_path: Path, payload: dict) -> Path:
+    last = tmp_path / "run" / "checkpoints" / "last.pt"
+    atomic_save(payload, last)
+    return last
+
+
+@pytest.mark.parametrize("sidecar", ["deleted", "garbage"])
+def test_resume_says_when_it_cannot_check_the_digest(tmp_path, capsys, sidecar):
+    from ddpcli.checkpoint.schema import check_resume_source
+
+    last = last_checkpoint(tmp_path, with_momentum(training_payload(), 0.5))
+    if sidecar == "deleted":
+        sha256_path(last).unlink()
+    else:
+        sha256_path(last).write_text("garbage\n")
+    check_resume_source(resume_config(tmp_path, "auto"))  # resumable: a warning, no refusal
+    warning = capsys.readouterr().err
+    assert f"cannot check {last}" in " ".join(warning.split())
+    assert ("no last.pt.sha256" if sidecar == "deleted" else "holds no SHA-256") in warning
+
+
+def test_resume_refuses_non_finite_optimizer_state_without_a_digest(tmp_path):
+    last = last_checkpoint(tmp_path, with_momentum(training_payload(), float("nan")))
+    sha256_path(last).unlink()
+    result = run_cli("train", *TINY_TRAIN, "--out", str(tmp_path / "run"), "--resume", "auto")
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = result.stderr.strip().splitlines()
+    (warning,) = [line for line in lines if line.startswith("warning: cannot check")]
+    assert "no last.pt.sha256" in warning
+    assert lines[-1].startswith(f"error: cannot resume from {last}: it holds NaN or inf")
+    assert "optimizer/state/0/momentum_buffer" in lines[-1]
+    assert "Traceback" not in result.stderr
+
+
+def test_resume_with_another_optimizer_is_exit_2_naming_both(tmp_path, saved):
+    result = run_cli(
+        "train", *TINY_TRAIN, "--out", str(tmp_path / "run"), "--resume", str(saved),
+        "--optimizer", "adamw",
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert (
+        f"cannot resume from {saved}: it was trained with --optimizer sgd, this run asks for "
+        "--optimizer adamw" in result.stderr
+    )
+    assert "Traceback" not in result.stderr and "KeyError" not in result.stderr
+
+
+def test_restoring_another_optimizers_state_is_refused_not_a_key_error(saved):
+    from ddpcli.checkpoint.schema import check_optimizer_fits
+    from ddpcli.models import build_model
+
+    adamw = torch.optim.AdamW(build_model("tinycnn", 10).parameters())
+    with pytest.raises(DdpcliError, match="--optimizer sgd, this run asks for --optimizer adamw"):
+        check_optimizer_fits(safe_load(saved), adamw, saved)
+
+
+# --- A full disk at save (34.18) --------------------------------------------------------------
+
+
+class FullDisk:
+    """A file on a disk that fills after LIMIT bytes, as the kernel reports it."""
+
+    def __init__(self, handle, limit: int) -> None:
+        self.handle, self.limit, self.written = handle, limit, 0
+
+    def write(self, data) -> int:
+        self.written += len(data)
+        if self.written > self.limit:
+            raise OSError(28, os.strerror(28))
+        return self.handle.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self.handle, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.handle.close()
+
+
+def test_a_full_disk_at_save_says_so_and_keeps_the_previous_last(tmp_path, monkeypatch):
+    writer = CheckpointWriter(TrainConfig(out=tmp_path / "run", keep_last=0), main_rank())
+    writer.save(training_payload(), "epoch-0001.pt", is_best=False)
+    last = writer.directory / "last.pt"
+    before = last.read_bytes()
+    real_fdopen = os.fdopen
+    monkeypatch.setattr(
+        files.os, "fdopen", lambda fd, mode: FullDisk(real_fdopen(fd, mode), limit=4096)
+    )
+    with pytest.raises(DdpcliError) as error:
+        writer.save(training_payload() | {"step": 16}, "epoch-0002.pt", is_best=False)
+    assert error.value.exit_code == 1
+    assert "No space left on device" in error.value.message
+    assert str(writer.directory) in error.value.message and "unexpected pos" not in str(error.value)
+    monkeypatch.undo()
+    assert last.read_bytes() == before and digest_status(last)["status"] == "ok"
+    assert sorted(p.name for p in writer.directory.iterdir()) == ["last.pt", "last.pt.sha256"]
+
+
+def test_a_run_whose_disk_fills_at_its_first_save_says_so(tmp_path):
+    """The real thing: a 40 KB tmpfs as --out (a mount namespace of the run's own; needs root
+    and unshare, else skipped)."""
+    import shutil
+
+    if not shutil.which("unshare") or os.geteuid() != 0:
+        pytest.skip("needs unshare and root for a small tmpfs")
+    out = tmp_path / "small"
+    out.mkdir()
+    flags = ["--nproc", "1", "--synthetic-size", "32", "--out", f"{out}/run"]
+    train = " ".join(["train", *TINY_TRAIN, *flags])  # the last --nproc wins
+    script = (
+        f"mount -t tmpfs -o size=40k none {out} || exit 77; exec {sys.executable} -m ddpcli {train}"
+    )
+    result = run_bounded(["unshare", "-m", "sh", "-c", script], 180, clean_env())
+    if result.returncode == 77:
+        pytest.skip("cannot mount a tmpfs here")
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert (
+        f"error: rank 0: could not save a checkpoint in {out}/run/checkpoints: No space left on "
+        "device; free space there" in result.stderr
+    )
+    assert "unexpected pos" not in result.stderr and "Traceback" not in result.stderr
+
+
+# --- --init-from weights that are not finite (34.25) ------------------------------------------
+
+
+def test_init_from_refuses_weights_that_hold_nan(tmp_path):
+    weights = training_payload()["model"]
+    weights["features.0.0.weight"][0, 0, 0, 0] = float("nan")
+    torch.save(weights, tmp_path / "nan.pt")
+    result = run_cli(
+        "train", *TINY_TRAIN, "--out", str(tmp_path / "run"), "--init-from",
+        str(tmp_path / "nan.pt"), "--dry-run",
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.strip() == (
+        f"error: invalid --init-from: {tmp_path / 'nan.pt'} holds NaN or inf in "
+        "features.0.0.weight (1 NaN/inf); these weights cannot train, take an earlier checkpoint"
+    )
+
+
+# --- Out of memory while loading onto a GPU (40.9) --------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("raised", "words"),
+    [
+        (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), "out of memory"),
+        (RuntimeError("CUDA error: an illegal memory access was encountered"), "CUDA error"),
+    ],
+)
+def test_out_of_memory_while_loading_is_not_called_corrupt(saved, monkeypatch, raised, words):
+    from ddpcli.checkpoint.init import load_initial_weights
+    from ddpcli.models import build_model
+
+    def load(*args, **kwargs):
+        raise raised
+
+    monkeypatch.setattr(torch, "load", load)
+    for attempt in (
+        lambda: load_training_checkpoint(saved, "cuda:0"),
+        lambda: load_initial_weights(build_model("tinycnn", 10), saved, 10, False, "cuda:0"),
+    ):
+        with pytest.raises(DdpcliError) as error:
+            attempt()
+        assert error.value.exit_code == 1
+        assert words in error.value.message and "corrupt" not in error.value.message
+        assert f"loading {saved} onto cuda:0" in error.value.message
+        assert "\n" not in error.value.message
+
+
+def test_a_device_failure_inside_torch_load_comes_through_as_itself(saved):
+    """The same through torch's own unpickler: storages are placed by map_location."""
+
+    def out_of_memory(storage, location):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    with pytest.raises(DdpcliError) as error:
+        safe_load(saved, map_location=out_of_memory)
+    assert error.value.exit_code == 1
+    assert error.value.message.startswith(f"out of memory loading {saved}: CUDA out of memory")
+    assert "free that GPU's memory" in error.value.message
+
+
+@pytest.mark.gpu
+def test_out_of_memory_loading_onto_a_real_gpu(tmp_path):
+    path = tmp_path / "big.pt"
+    atomic_save({"model": {"weight": torch.zeros(256, 1024, 1024)}}, path)  # 1 GiB
+    free, _ = torch.cuda.mem_get_info()
+    hog = torch.empty(free - (256 << 20), dtype=torch.uint8, device="cuda")  # leave 256 MiB
+    try:
+        with pytest.raises(DdpcliError) as error:
+            safe_load(path, map_location=torch.device("cuda", 0))
+    finally:
+        del hog
+        torch.cuda.empty_cache()
+    assert error.value.exit_code == 1 and "out of memory" in error.value.message
+    assert "corrupt" not in error.value.message

@@ -1,6 +1,7 @@
 """The CLI surface: help without torch, bad input as exit 2 with one clear line."""
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -276,6 +277,7 @@ def test_a_no_flag_overrides_a_recipe_true(tmp_path, monkeypatch):
     for name in LAUNCHER_VARIABLES:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr("ddpcli.resolve.physical_gpu_count", lambda: 2)  # a GPU machine
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)  # whose GPUs torch can use
     recipe = tmp_path / "r.toml"
     recipe.write_text("[train]\ncpu = true\ncompile = true\n")
 
@@ -361,6 +363,7 @@ def test_a_flag_overrides_the_recipe_side_of_an_exclusion(tmp_path, monkeypatch)
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr("ddpcli.resolve.physical_gpu_count", lambda: 2)  # a GPU machine
     monkeypatch.setattr("ddpcli.machine.physical_gpu_count", lambda: 2)
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)  # whose GPUs torch can use
     recipe = tmp_path / "r.toml"
     recipe.write_text("[train]\ncpu = true\n")
 
@@ -398,3 +401,124 @@ def test_overwrite_is_a_setting_with_its_no_form(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["overwrite"] is True
+
+
+# --- Numbers are finite, types are the flags', each setting belongs to its optimizer --------
+
+
+def build(command: str, flags: dict):
+    """COMMAND's config from FLAGS, as its CLI builds it."""
+    from ddpcli import config
+
+    builders = {
+        "train": lambda: config.build_train_config(flags, None, environ={}),
+        "launch": lambda: config.build_launch_config({"target": "x.py", **flags}, environ={}),
+        "bench-barrier": lambda: config.build_barrier_config(flags),
+        "check-env": lambda: config.build_check_options(flags, environ={}),
+    }
+    return builders[command]()
+
+
+NON_FINITE = [
+    ("train", "lr"), ("train", "weight_decay"), ("train", "warmup_epochs"), ("train", "timeout"),
+    ("train", "mixup_alpha"), ("train", "cutmix_alpha"), ("train", "bucket_cap_mb"),
+    ("train", "norm_weight_decay"), ("train", "ema_decay"), ("launch", "timeout"),
+    ("bench-barrier", "timeout"), ("bench-barrier", "stagger"), ("check-env", "timeout"),
+    ("check-env", "stage_timeout"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan], ids=["inf", "-inf", "nan"])
+@pytest.mark.parametrize(("command", "field"), NON_FINITE, ids=lambda x: str(x))
+def test_a_non_finite_number_is_refused_by_every_command(command, field, value):
+    from ddpcli.errors import DdpcliError
+
+    with pytest.raises(DdpcliError) as refused:
+        build(command, {field: value})
+    flag = f"--{field.replace('_', '-')}"
+    assert refused.value.exit_code == 2
+    assert refused.value.message == f"invalid {flag}: must be a finite number (got {value!r})"
+
+
+def test_lr_inf_on_the_command_line_is_exit_2_in_one_line(tmp_path):
+    result = run_cli("train", "--cpu", "--lr", "inf", "--dry-run", timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip() == "error: invalid --lr: must be a finite number (got inf)"
+
+
+def test_a_non_finite_number_in_a_list_or_a_recipe_is_refused(tmp_path):
+    from ddpcli.config import build_train_config
+    from ddpcli.errors import DdpcliError
+
+    recipe = tmp_path / "r.toml"
+    recipe.write_text("[train]\nlr = inf\n")
+    with pytest.raises(DdpcliError, match=r"invalid --lr: must be a finite number \(got inf\)"):
+        build_train_config({}, recipe, environ={})
+    with pytest.raises(DdpcliError, match="invalid --sleeps: must be a finite number"):
+        build("bench-barrier", {"sleeps": "0,nan", "nproc": 2})
+
+
+def test_momentum_with_adamw_is_refused_as_betas_with_sgd_are(tmp_path):
+    from ddpcli.config import build_train_config
+    from ddpcli.errors import DdpcliError
+
+    with pytest.raises(DdpcliError, match="invalid --momentum: it is SGD's") as refused:
+        build("train", {"optimizer": "adamw", "momentum": 0.5})
+    assert refused.value.exit_code == 2
+    recipe = tmp_path / "r.toml"
+    recipe.write_text("[train]\nmomentum = 0.8\n")
+    with pytest.raises(DdpcliError, match=f"--momentum from recipe {recipe}"):
+        build_train_config({"optimizer": "adamw"}, recipe, environ={})
+    assert build("train", {"momentum": 0.5}).momentum == 0.5
+    assert build("train", {}).momentum == 0.9  # SGD's default
+    assert build("train", {"optimizer": "adamw"}).momentum is None  # not AdamW's setting
+
+
+@pytest.mark.parametrize(
+    ("line", "said"),
+    [
+        ("epochs = true", "invalid --epochs: must be a valid integer (got True)"),
+        ("epochs = 2.0", "invalid --epochs: must be a valid integer (got 2.0)"),
+        ('cpu = "yes"', "invalid --cpu: must be a valid boolean (got 'yes')"),
+        ("cpu = 1", "invalid --cpu: must be a valid boolean (got 1)"),
+        ('lr = "0.1"', "invalid --lr: must be a valid number (got '0.1')"),
+        ("lr = false", "invalid --lr: must be a valid number (got False)"),
+        ('betas = ["0.9", 0.99]', "invalid --betas: must be a valid number (got '0.9')"),
+        ('per_gpu_batch = "32"', "invalid --per-gpu-batch: must be a valid integer (got '32')"),
+    ],
+)
+def test_a_recipe_value_of_the_wrong_type_is_refused_not_converted(tmp_path, line, said):
+    from ddpcli.config import build_train_config
+    from ddpcli.errors import DdpcliError
+
+    recipe = tmp_path / "r.toml"
+    recipe.write_text(f"[train]\noptimizer = 'adamw'\n{line}\n")
+    with pytest.raises(DdpcliError) as refused:
+        build_train_config({}, recipe, environ={})
+    assert refused.value.exit_code == 2
+    flag = said.split(":")[0].removeprefix("invalid ")
+    assert refused.value.message == f"{said} ({flag} from recipe {recipe})"
+
+
+def test_a_recipe_keeps_the_forms_toml_users_write(tmp_path):
+    """A whole number for a float, a path as a string, --gpus and --nnodes in their text forms."""
+    from ddpcli.config import build_train_config
+
+    recipe = tmp_path / "r.toml"
+    recipe.write_text(
+        '[train]\nlr = 1\nwarmup_epochs = 0\nout = "runs/x"\ngpus = "0,3"\nnnodes = "1:2"\n'
+        'betas = [0, 0.5]\noptimizer = "adamw"\nmodel_args = {depth = 4}\n'
+    )
+    cfg = build_train_config({}, recipe, environ={})
+    assert cfg.lr == 1.0 and isinstance(cfg.lr, float) and cfg.warmup_epochs == 0.0
+    assert str(cfg.out) == "runs/x" and cfg.gpus == [0, 3]
+    assert (cfg.min_nnodes, cfg.nnodes) == (1, 2) and cfg.betas == [0.0, 0.5]
+    assert cfg.model_args == {"depth": 4}
+
+
+def test_a_flag_that_overrides_a_recipes_wrong_value_wins(tmp_path):
+    from ddpcli.config import build_train_config
+
+    recipe = tmp_path / "r.toml"
+    recipe.write_text("[train]\nepochs = true\n")
+    assert build_train_config({"epochs": 3}, recipe, environ={}).epochs == 3

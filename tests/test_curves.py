@@ -142,6 +142,54 @@ def test_plot_a_folder_without_metrics_exits_2_with_one_line(tmp_path):
     assert not (tmp_path / "x.png").exists()
 
 
+def logged_run(folder: Path) -> Path:
+    """A run folder holding two intervals, written as a run writes them."""
+    folder.mkdir(parents=True)
+    rows = [{"step": 1, "train_loss": 2.0, "lr": 0.1}, {"step": 2, "train_loss": 1.5, "lr": 0.05}]
+    (folder / "steps.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return folder
+
+
+def test_plot_a_folder_whose_rows_hold_no_values_exits_2_and_draws_nothing(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"x": 1}\n{"step": "one", "train_loss": "high"}\n')
+    result = run_cli("plot", str(tmp_path), "--out", str(tmp_path / "x.png"), timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert f"invalid RUN_DIR: {tmp_path} holds no metrics" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_plot_of_several_folders_skips_those_without_metrics_with_one_warning_each(tmp_path):
+    runs = tmp_path / "runs"
+    first, second = logged_run(runs / "a"), logged_run(runs / "c")
+    (runs / "b").mkdir()  # a run stopped before its first interval
+    (runs / "notes.txt").write_text("what runs/* also matches")
+    picture = tmp_path / "all.svg"
+    folders = [str(path) for path in sorted(runs.iterdir())]
+    result = run_cli("plot", *folders, "--out", str(picture), "--json", timeout=60)
+    assert result.returncode == 0, result.stderr
+    warnings = [line for line in result.stderr.splitlines() if "warning" in line]
+    assert len(warnings) == 2, result.stderr
+    assert f"skipped {runs / 'b'}: it holds no metrics" in warnings[0]
+    assert f"skipped {runs / 'notes.txt'}: it is not a folder" in warnings[1]
+    svg = picture.read_text()
+    assert "a train" in svg and "c train" in svg and "b train" not in svg
+    drawn = json.loads(result.stdout)
+    assert [run["folder"] for run in drawn["runs"]] == [str(first), str(second)]
+    assert [run["folder"] for run in drawn["skipped"]] == [folders[1], folders[3]]
+
+
+def test_plot_of_several_folders_none_with_metrics_exits_2(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    picture = tmp_path / "x.png"
+    result = run_cli("plot", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(picture))
+    assert result.returncode == 2, result.stderr
+    assert "none of the 2 RUN_DIRs holds metrics" in result.stderr
+    assert len(result.stderr.strip().splitlines()) <= 2 and "Traceback" not in result.stderr
+    assert not picture.exists()
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

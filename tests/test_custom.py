@@ -212,6 +212,15 @@ def names_as_text(data_dir, image_size):
 
 def bad_image(data_dir, image_size):
     return Stripes(64, image_size, 0), [(torch.zeros(8, 8), 0)], ["r", "g", "b"]
+
+
+def floats_to_255(data_dir, image_size):
+    return [(torch.full((3, 8, 8), 200.0), 0)], Stripes(21, image_size, 1), ["r", "g", "b"]
+
+
+def normalised(data_dir, image_size):
+    image = (torch.rand(3, 8, 8) - 0.45) / 0.226  # as Normalize(ImageNet's mean, std) leaves it
+    return Stripes(64, image_size, 0), [(image, 1)], ["r", "g", "b"]
 """
 
 
@@ -260,6 +269,8 @@ def test_a_custom_dataset_trains_with_exact_validation_and_an_exact_resume(data_
         ("mydata:label_out_of_range", "val item 0's label must be a class index 0..2"),
         ("mydata:names_as_text", "class_names (the third of (train, val, class_names)) must be"),
         ("mydata:bad_image", "must be a PIL image or a (3, H, W) tensor"),
+        ("mydata:floats_to_255", "train item 0's image holds floats from 200 to 200, not in"),
+        ("mydata:normalised", "val item 0's image holds floats from -"),
         ("mydata:nowhere", "invalid --dataset: mydata has no attribute 'nowhere'"),
     ],
 )  # fmt: skip
@@ -270,6 +281,43 @@ def test_each_bad_dataset_factory_exits_2_before_any_worker_starts(data_project,
     assert words in result.stderr
     assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
     assert not (out / "config.json").exists()
+
+
+@pytest.mark.parametrize(
+    ("low", "high", "seen"),
+    [(0.0, 255.0, "from 0 to 255"), (-2.1, 2.6, "from -2.1 to 2.6"), (0.0, 1.5, "from 0 to 1.5")],
+)
+def test_float_images_outside_0_1_are_refused_naming_the_range_never_clamped(low, high, seen):
+    import torch
+
+    from ddpcli.data.custom import BadItem, as_uint8_image
+    from ddpcli.errors import USAGE
+
+    image = torch.linspace(low, high, 3 * 4 * 4).view(3, 4, 4)
+    with pytest.raises(BadItem) as caught:
+        as_uint8_image(image, "mydata:x train item 5")
+    assert caught.value.exit_code == USAGE
+    assert f"train item 5's image holds floats {seen}, not in [0, 1]" in caught.value.message
+
+
+def test_float_images_in_0_1_are_taken_and_resampling_overshoot_is_rounded_off():
+    import torch
+
+    from ddpcli.data.custom import as_uint8_image
+
+    image = torch.tensor([0.0, 0.5, 1.0, -0.004, 1.003, 0.2]).view(3, 2, 1)  # bicubic's overshoot
+    assert as_uint8_image(image, "x").flatten().tolist() == [0, 128, 255, 0, 255, 51]
+
+
+def test_a_factory_s_16_bit_pil_image_keeps_its_range():
+    import numpy as np
+    from PIL import Image
+
+    from ddpcli.data.custom import as_uint8_image
+
+    values = np.array([[0, 257 * 100, 65535]], dtype=np.uint16)  # 8-bit 0, 100, 255
+    image = as_uint8_image(Image.fromarray(values), "x")  # mode I;16
+    assert image.shape == (3, 1, 3) and image[0, 0].tolist() == [0, 100, 255]
 
 
 # --- Fine-tuning from someone's weights ------------------------------------------------------

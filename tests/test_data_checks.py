@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from conftest import read_metrics, run_cli
@@ -90,6 +92,26 @@ def test_a_sound_layout_passes_and_its_classes_come_from_train(tmp_path):
     assert layout.check_imagefolder(tmp_path) == ["cat", "dog", "owl"]
 
 
+def test_hidden_folders_and_files_are_neither_classes_nor_images(tmp_path):
+    write_image_folder(tmp_path)
+    for split in ("train", "val"):  # Jupyter's copies, a repository, macOS's AppleDouble files
+        shutil.copytree(tmp_path / split / "cat", tmp_path / split / ".ipynb_checkpoints")
+        shutil.copytree(tmp_path / split / "dog", tmp_path / split / "owl" / ".ipynb_checkpoints")
+        write_garbage(tmp_path / split / "cat" / "._0.png")
+        write_garbage(tmp_path / split / "._stray.png")
+    (tmp_path / "train" / ".git").mkdir()
+    (tmp_path / "train" / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    assert layout.check_imagefolder(tmp_path) == ["cat", "dog", "owl"]
+    samples = layout.folder_samples(tmp_path / "train", ["cat", "dog", "owl"])
+    assert [(path.parent.name, path.name) for path, _ in samples][5:8] == [
+        ("cat", "5.png"), ("dog", "0.png"), ("dog", "1.png")
+    ]  # fmt: skip
+    assert len(samples) == 18
+    cfg = folder_config(tmp_path, tmp_path / "out")
+    data = DataPipeline(load_splits(cfg, context(), True), cfg, context(), True)
+    assert data.describe_sizes().endswith(" · 3 classes")
+
+
 # --- Every mode becomes RGB ------------------------------------------------------------------
 
 
@@ -111,7 +133,16 @@ MODES = {
     "RGBA.png": (lambda: Image.new("RGBA", (5, 4), (10, 20, 30, 0)), (10, 20, 30)),
     "CMYK.tif": (lambda: Image.new("CMYK", (5, 4), (255, 0, 0, 0)), (0, 255, 255)),
     "CMYK.jpg": (lambda: Image.new("CMYK", (5, 4), (255, 0, 0, 0)), None),  # lossy
+    # 16-bit grey is scaled from its own range (PIL's convert clips it at 255: white).
+    "I16.png": (lambda: grey16(128 * 257, np.uint16), (128, 128, 128)),
+    "I16B.tif": (lambda: grey16(64 * 257, ">u2"), (64, 64, 64)),
+    "I-16-bit.tif": (lambda: grey16(200 * 257, np.int32), (200, 200, 200)),  # older Pillow's
+    "I-8-bit.tif": (lambda: grey16(77, np.int32), (77, 77, 77)),
 }
+
+
+def grey16(value: int, dtype) -> Image.Image:
+    return Image.fromarray(np.full((4, 5), value, dtype=dtype))
 
 
 @pytest.mark.parametrize("name", MODES)
@@ -127,6 +158,16 @@ def test_each_mode_is_read_as_rgb_without_warnings(tmp_path, name):
         assert image[:, 0, 0].tolist() == list(pixel)
     else:
         assert image[0].float().mean() < 40 and image[1:].float().mean() > 215  # cyan
+
+
+def test_grey_beyond_its_range_is_refused_naming_the_range_never_clipped(tmp_path):
+    path = tmp_path / "float.tif"
+    Image.fromarray(np.full((4, 5), 300.5, dtype=np.float32)).save(path)  # mode F
+    with pytest.raises(UnreadableImage) as caught:
+        sets.read_rgb(path)
+    assert f"cannot decode image {path}: its F pixels run from 300.5 to 300.5, outside 0..255" in (
+        caught.value.message
+    )
 
 
 # --- Unreadable images ---------------------------------------------------------------------
@@ -182,11 +223,28 @@ def test_skip_bad_images_leaves_them_out_on_both_paths(tmp_path, device_resident
             load_splits(without, context(), device_resident)
 
 
+@pytest.mark.parametrize("device_resident", [True, False])
+def test_skip_bad_images_that_empties_a_train_class_is_refused(tmp_path, device_resident):
+    write_image_folder(tmp_path / "imgs", per_class=2)
+    for index in range(2):
+        write_garbage(tmp_path / "imgs" / "train" / "dog" / f"{index}.png")
+    cfg = folder_config(tmp_path / "imgs", tmp_path / "out", skip_bad_images=True)
+    with pytest.raises(DdpcliError) as caught:
+        load_splits(cfg, context(), device_resident)
+    assert caught.value.exit_code == USAGE
+    train = tmp_path / "imgs" / "train"
+    assert caught.value.message.startswith(
+        f"--skip-bad-images left no image in {train}'s class dog (2 skipped, first "
+        f"{train / 'dog' / '0.png'})"
+    )
+
+
 @pytest.mark.parametrize("data_path", ["device", "loader"])
 def test_a_bad_image_ends_the_run_with_exit_2_or_is_skipped_and_reported(tmp_path, data_path):
     write_image_folder(tmp_path / "imgs", per_class=4)
-    bad = tmp_path / "imgs" / "train" / "dog" / "3.png"
-    write_garbage(bad)
+    (tmp_path / "imgs" / "train" / "dog" / "3.png").unlink()
+    bad = tmp_path / "imgs" / "train" / "dog" / "3.jpg"
+    bad.write_text("notes, renamed .jpg\n")
     settings = [
         "train", "--cpu", "--nproc", "2", "--dataset", "imagefolder", "--data-dir",
         str(tmp_path / "imgs"), "--arch", "tinycnn", "--image-size", "16", "--per-gpu-batch",
@@ -195,7 +253,8 @@ def test_a_bad_image_ends_the_run_with_exit_2_or_is_skipped_and_reported(tmp_pat
     failed = run_cli(*settings, "--out", str(tmp_path / "failed"), timeout=180)
     assert failed.returncode == 2, failed.stderr[-3000:]
     assert f"cannot decode image {bad}" in failed.stderr and "--skip-bad-images" in failed.stderr
-    assert "Traceback" not in failed.stderr
+    # Rank 1, waiting for rank 0's one decode (device path), leaves without printing its stack.
+    assert "Traceback" not in failed.stderr and "Current thread" not in failed.stderr
     # The file's line and the launcher's: not the other rank's lost connection as well.
     errors = [line for line in failed.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 2 and "failed first" in errors[1], errors
@@ -208,6 +267,47 @@ def test_a_bad_image_ends_the_run_with_exit_2_or_is_skipped_and_reported(tmp_pat
     assert (out / sets.SKIPPED_IMAGES_FILE).read_text().splitlines() == [str(bad)]
     assert "left out 1 image(s) that cannot be decoded" in result.stderr
     assert read_metrics(out)[0]["val_samples"] == 12
+
+
+FAILING_PREPARATION = """
+import datetime, faulthandler, signal, sys, time
+import torch, torch.distributed as dist
+from ddpcli.dist import DistContext, rank_zero_prepares
+from ddpcli.errors import usage_error
+rank, init = int(sys.argv[1]), sys.argv[2]
+faulthandler.register(signal.SIGTERM, chain=True)  # as a worker does
+dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+ctx = DistContext(rank, rank, 2, 2, 0, torch.device("cpu"), "gloo")
+start = time.monotonic()
+try:
+    with rank_zero_prepares(ctx, "decode the folder"):
+        if rank == 0:
+            raise usage_error("cannot decode image 3.jpg")
+except Exception as error:
+    stack_on_sigterm = faulthandler.unregister(signal.SIGTERM)
+    print(f"{error} after {time.monotonic() - start:.1f}s", stack_on_sigterm, file=sys.stderr)
+"""
+
+
+def test_ranks_waiting_for_a_failed_preparation_leave_quietly_before_rank_0(tmp_path):
+    """Left waiting, they were stopped by the agent after rank 0's exit, and each printed
+    its stack (faulthandler) for a wait that was not stuck."""
+    from conftest import clean_env
+    from test_faults import run_together
+
+    init = f"file://{tmp_path / 'init'}"
+    commands = [
+        ([sys.executable, "-c", FAILING_PREPARATION, str(rank), init], clean_env())
+        for rank in (0, 1)
+    ]
+    rank0, rank1 = run_together(commands, timeout=30)
+    assert rank0.stderr.startswith("cannot decode image 3.jpg after "), rank0.stderr[-2000:]
+    left = rank1.stderr.strip().splitlines()[-1]
+    assert left.startswith(
+        "stopped because another rank failed: rank 0 failed to decode the folder after "
+    ), rank1.stderr[-2000:]
+    assert left.endswith(" False")  # no stack if the agent's SIGTERM comes now
+    assert float(rank0.stderr.split(" after ")[1].split("s")[0]) < 10  # rank 1 answered
 
 
 # --- Full training batches only --------------------------------------------------------------
@@ -273,6 +373,6 @@ def test_any_set_size_trains_and_the_header_says_what_an_epoch_trains_on(tmp_pat
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     assert "4096 of 4097 train images per epoch (last partial batch dropped)" in result.stderr
-    assert "32 steps per epoch" in result.stderr
+    assert "32 steps per epoch" in result.stderr and "1024 val images · 10 classes" in result.stderr
     metrics = read_metrics(out)[0]
     assert metrics["step"] == 32 and metrics["val_samples"] == 1024

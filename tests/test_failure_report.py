@@ -78,3 +78,35 @@ def test_a_rank_that_failed_of_itself_is_named_without_the_places(failure):
         f"rank 1 on {HOST} failed first: killed by SIGKILL (most likely out of memory, or the "
         "scheduler) (then rank 0 stopped)"
     ]
+
+
+def test_on_one_node_a_rank_that_ended_early_is_named_not_another_node(failure):
+    """Rank 1 called sys.exit(0): the agent reports only rank 0, which lost it (34.22)."""
+    from ddpcli.failure_report import describe_failure
+
+    lines = describe_failure(failure({0: (1, LOST)}), world_size=2).message.splitlines()
+    assert lines[0].startswith(f"rank 1 on {HOST} ended early: its script finished (returned")
+    assert lines[1] == "  rank 0 lost its connection to it"
+    assert "another node" not in "\n".join(lines)
+
+
+def test_on_one_node_a_lost_peer_is_not_sent_to_another_node(failure):
+    from ddpcli.failure_report import describe_failure
+
+    lines = describe_failure(failure({0: (1, LOST), 1: -signal.SIGTERM}), world_size=2).message
+    assert "which most likely died first" in lines and "another node" not in lines
+
+
+def test_a_failed_round_in_a_line_and_the_attempts_counted(failure):
+    """--max-restarts (34.26): the round's rank and its error, then every attempt counted."""
+    from ddpcli.failure_report import describe_failure, round_in_words
+
+    failed = failure({0: (1, "ValueError: bad batch"), 1: -signal.SIGTERM})
+    assert round_in_words(failed.failures) == (
+        f"rank 0 on {HOST} failed: exit code 1 (RuntimeError: ValueError: bad batch)"
+    )
+    assert round_in_words(failure({1: -signal.SIGKILL}).failures) == (
+        f"rank 1 on {HOST} failed: killed by SIGKILL (most likely out of memory, or the scheduler)"
+    )
+    lines = describe_failure(failed, attempts=3).message.splitlines()
+    assert lines[-1] == "  every attempt failed: 3 of 3 (--max-restarts 2)"

@@ -465,6 +465,7 @@ def test_slurm_variables_make_each_task_one_worker(tmp_path):
     commands = [
         (train_command(out), clean_env(
             SLURM_PROCID=str(rank), SLURM_NTASKS="2", SLURM_LOCALID=str(rank), SLURM_NODEID="0",
+            SLURM_STEP_ID="0",  # what makes them srun's tasks (ddpcli.environments.slurm)
             SLURM_NODELIST="localhost", SLURM_TASKS_PER_NODE="2", SLURM_JOB_ID="4242",
             MASTER_PORT=port,
         ))
@@ -498,7 +499,10 @@ def test_slurm_variables_make_each_task_one_worker(tmp_path):
     ],
 )  # fmt: skip
 def test_slurm_variables_resolve(variables, expected):
-    env = {"SLURM_PROCID": "5", "SLURM_NTASKS": "10", "SLURM_LOCALID": "1", **variables}
+    env = {
+        "SLURM_PROCID": "5", "SLURM_NTASKS": "10", "SLURM_LOCALID": "1", "SLURM_STEP_ID": "0",
+        **variables,
+    }  # fmt: skip
     launcher = read_launcher_env(env)
     assert (launcher.rank, launcher.world_size, launcher.local_rank) == (5, 10, 1)
     assert launcher.launcher == "slurm"

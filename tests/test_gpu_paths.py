@@ -4,6 +4,9 @@ of a set kept on the device, DataParallel replicas in the configured precision a
 Where only a GPU can show it, the test is marked `gpu`."""
 
 import gc
+import json
+import os
+import re
 import sys
 import threading
 import weakref
@@ -13,11 +16,13 @@ import torch
 from conftest import clean_env, run_cli
 from torch import nn
 
-from ddpcli import strategy, train, worker
+from ddpcli import dist as dist_module
+from ddpcli import resolve, strategy, train, worker
 from ddpcli.config import TrainConfig
 from ddpcli.data import device, pipeline, sets
 from ddpcli.dist import DistContext
 from ddpcli.environments import LauncherEnv
+from ddpcli.errors import DdpcliError
 
 META = torch.device("meta")  # a device that is not the host: every copy to it is visible
 
@@ -211,7 +216,8 @@ def restore_float32_math():
     torch.backends.cudnn.allow_tf32, torch.backends.cudnn.benchmark = conv, benchmark
 
 
-def test_fp32_on_cuda_uses_tf32_and_says_so(restore_float32_math):
+def test_fp32_on_cuda_uses_tf32_and_says_so(restore_float32_math, gpu_of_capability):
+    gpu_of_capability((8, 0))
     torch.set_float32_matmul_precision("highest")  # torch's default: IEEE fp32 matmuls
     train.configure_cuda_math("fp32", torch.device("cuda", 0))  # sets flags only: no GPU needed
     assert torch.get_float32_matmul_precision() == "high"
@@ -236,7 +242,8 @@ def test_an_fp32_run_on_the_gpu_states_tf32_in_its_header(tmp_path):
         timeout=180,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
-    assert "precision fp32 (TF32 tensor cores in matmuls and convolutions)" in result.stderr
+    stated = "precision fp32 (TF32 tensor cores in matmuls and convolutions)" in result.stderr
+    assert stated is ampere_or_later()  # a V100 or T4 has no TF32
 
 
 # --- Rank 0 prepares the data while the others wait on the store -----------------------------
@@ -284,3 +291,206 @@ def test_a_preparation_that_never_ends_is_named_by_the_waiting_rank(tmp_path):
     _, rank1 = prepare_in_two_ranks(tmp_path, wait_s=1)
     assert rank1.returncode == 1
     assert "rank 1: rank 0 did not download STL-10 within 1s" in rank1.stderr
+
+
+# --- --precision auto and the TF32 note: Ampere (compute capability 8.0) or later ------------
+
+
+@pytest.fixture
+def gpu_of_capability(monkeypatch):
+    """A GPU of the given compute capability, as torch.cuda reports it. is_bf16_supported()
+    says True whatever it is: by default it counts emulation (a V100 or T4 says True)."""
+
+    def make(capability: tuple[int, int]) -> None:
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: True)
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+
+    return make
+
+
+@pytest.mark.parametrize(
+    ("capability", "precision"),
+    [((7, 0), "fp32"), ((7, 5), "fp32"), ((8, 0), "bf16"), ((8, 6), "bf16"), ((9, 0), "bf16")],
+)
+def test_auto_precision_is_bf16_only_from_compute_capability_8(
+    tmp_path, gpu_of_capability, capability, precision
+):
+    """cuDNN runs bf16 convolutions only from 8.0: on a V100 (7.0) or T4 (7.5) they take a
+    slow path, so `auto` keeps fp32 there and says why."""
+    gpu_of_capability(capability)
+    cfg = TrainConfig(precision="auto", lr=0.1, out=tmp_path)
+    ctx = DistContext(0, 0, 1, 1, 0, torch.device("cuda", 0), "nccl")
+    resolved = worker.finalize_for_device(cfg, ctx)
+    assert resolved.precision == precision
+    assert f"compute capability {capability[0]}.{capability[1]}" in resolved.precision_reason
+
+
+@pytest.mark.parametrize(("capability", "note"), [((7, 0), False), ((7, 5), False), ((8, 0), True)])
+def test_the_tf32_note_is_only_for_gpus_with_tf32(gpu_of_capability, capability, note):
+    gpu_of_capability(capability)
+    text = train.describe_precision("fp32", torch.device("cuda", 0))
+    assert ("TF32 tensor cores" in text) is note
+    assert text == ("fp32 (TF32 tensor cores in matmuls and convolutions)" if note else "fp32")
+
+
+def ampere_or_later() -> bool:
+    return torch.cuda.get_device_capability(0) >= (8, 0)
+
+
+@pytest.mark.gpu
+def test_auto_precision_on_this_gpu_follows_its_compute_capability(tmp_path):
+    """The same decision as the CPU test above, from the real device: not from
+    is_bf16_supported(), which says True on a V100 as well."""
+    out = tmp_path / "run"
+    result = run_cli(
+        "train", "--gpus", "0", "--arch", "tinycnn", "--image-size", "16", "--epochs", "1",
+        "--per-gpu-batch", "16", "--out", str(out), timeout=180,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    config = json.loads((out / "config.json").read_text())
+    assert config["precision"] == ("bf16" if ampere_or_later() else "fp32")
+    major, minor = torch.cuda.get_device_capability(0)
+    assert f"compute capability {major}.{minor}" in config["precision_reason"]
+
+
+# --- A CUDA build of torch that cannot use the node's GPUs: exit 2, not a silent CPU run ------
+
+FAKE_NVIDIA_SMI = """#!/bin/sh
+# nvidia-smi on a node of {count} A100s whose driver is {driver}
+case "$*" in
+  *driver_version*) for i in $(seq 0 {last}); do echo "{driver}"; done ;;
+  *index,name*) for i in $(seq 0 {last}); do echo "$i, NVIDIA A100, 81920, GPU-$i"; done ;;
+  -L) for i in $(seq 0 {last}); do echo "GPU $i: NVIDIA A100 (UUID: GPU-$i)"; done ;;
+  *) exit 1 ;;
+esac
+"""
+
+
+def node_with_gpus_torch_cannot_use(tmp_path, count: int = 8, driver: str = "535.104.05"):
+    """The variables of a shell whose nvidia-smi lists COUNT GPUs (this machine's torch, a
+    CUDA build, sees none: torch.cuda.is_available() is False here)."""
+    folder = tmp_path / "bin"
+    folder.mkdir()
+    script = folder / "nvidia-smi"
+    script.write_text(FAKE_NVIDIA_SMI.format(count=count, last=count - 1, driver=driver))
+    script.chmod(0o755)
+    return {"PATH": f"{folder}:{os.environ['PATH']}"}
+
+
+needs_a_cuda_build = pytest.mark.skipif(
+    torch.version.cuda is None or torch.cuda.is_available(),
+    reason="needs a CUDA build of torch that sees no GPU",
+)
+
+
+@needs_a_cuda_build
+@pytest.mark.parametrize("gpus", [[], ["--gpus", "0,1"]])
+def test_train_refuses_gpus_torch_cannot_use_naming_both_versions(tmp_path, gpus):
+    env = node_with_gpus_torch_cannot_use(tmp_path)
+    result = run_cli(
+        "train", *gpus, "--dry-run", "--out", str(tmp_path / "run"), env=env, timeout=120
+    )
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    assert f"CUDA {torch.version.cuda}" in lines[0] and "driver 535.104.05" in lines[0]
+    assert "--cpu" in lines[0]
+    assert "Traceback" not in result.stderr
+
+
+@needs_a_cuda_build
+def test_cpu_still_runs_on_a_node_whose_gpus_torch_cannot_use(tmp_path):
+    env = node_with_gpus_torch_cannot_use(tmp_path)
+    result = run_cli(
+        "train", "--cpu", "--dry-run", "--out", str(tmp_path / "run"), env=env, timeout=120
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
+@needs_a_cuda_build
+def test_bench_barrier_refuses_gpus_torch_cannot_use(tmp_path):
+    env = node_with_gpus_torch_cannot_use(tmp_path)
+    result = run_cli("bench-barrier", "--gpus", "0", "--iters", "3", env=env, timeout=120)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert f"CUDA {torch.version.cuda}" in result.stderr and "driver 535.104.05" in result.stderr
+
+
+@needs_a_cuda_build
+def test_check_env_fails_the_cuda_row_in_the_same_words(tmp_path):
+    env = node_with_gpus_torch_cannot_use(tmp_path)
+    result = run_cli("check-env", "--json", env=env, timeout=120)
+    assert result.returncode == 1, result.stderr[-2000:]
+    row = next(row for row in json.loads(result.stdout)["checks"] if row["name"] == "CUDA")
+    assert row["status"] == "fail"
+    assert f"CUDA {torch.version.cuda}" in row["detail"] and "driver 535.104.05" in row["detail"]
+    assert "8 GPU(s) nvidia-smi lists" in row["detail"]
+
+
+def test_under_a_launcher_gpus_torch_cannot_use_are_refused(tmp_path, monkeypatch):
+    """torchrun's ranks resolve in-process: the same refusal, not `cpu` set quietly."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(resolve, "physical_gpu_count", lambda: 8)
+    monkeypatch.setattr(resolve, "nvidia_driver_version", lambda: "535.104.05")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    launcher = LauncherEnv(rank=0, local_rank=0, world_size=8, local_world_size=8)
+    with pytest.raises(DdpcliError) as refused:
+        resolve.checked_train_config(TrainConfig(out=tmp_path), launcher)
+    assert refused.value.exit_code == 2
+    assert "CUDA 13.0" in refused.value.message and "driver 535.104.05" in refused.value.message
+    assert "580" in refused.value.message  # the driver CUDA 13 needs
+    cpu = resolve.checked_train_config(TrainConfig(out=tmp_path, cpu=True), launcher)
+    assert cpu.cpu
+
+
+@pytest.mark.gpu
+def test_a_gpu_node_passes_the_cuda_check_and_names_its_driver(tmp_path):
+    from ddpcli.machine import nvidia_driver_version
+
+    assert re.fullmatch(r"\d+\.\d+(\.\d+)?", nvidia_driver_version() or "")
+    result = run_cli("train", "--gpus", "0", "--dry-run", "--out", str(tmp_path / "run"))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "cannot use" not in result.stderr
+
+
+# --- TORCH_NCCL_ASYNC_ERROR_HANDLING: torch's default, not ddpcli's ---------------------------
+
+
+def test_an_nccl_group_keeps_torchs_async_error_handling(monkeypatch):
+    """torch 2.14's default (3) ends a rank on a failed collective without ncclCommAbort,
+    which can itself hang; ddpcli used to set 1 (abort first). It sets nothing now."""
+    monkeypatch.delenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", raising=False)
+    joined: list[dict] = []
+    monkeypatch.setattr(dist_module, "choose_device", lambda *args: torch.device("cuda", 0))
+    monkeypatch.setattr(dist_module.dist, "init_process_group", lambda **kw: joined.append(kw))
+    env = LauncherEnv(rank=0, local_rank=0, world_size=2, local_world_size=2)
+    ctx = dist_module.init_distributed(
+        env, want_gpu=True, backend="auto", init_method="tcp://127.0.0.1:29999", timeout_s=5
+    )
+    assert ctx.backend == "nccl" and joined[0]["backend"] == "nccl"
+    assert "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in os.environ
+
+
+NCCL_RANK = """
+import os, sys, torch
+from ddpcli.dist import init_distributed, shutdown
+from ddpcli.environments import LauncherEnv
+env = LauncherEnv(rank=0, local_rank=0, world_size=1, local_world_size=1)
+init_distributed(env, want_gpu=True, backend="nccl", init_method=sys.argv[1], timeout_s=60)
+torch.distributed.barrier()
+print(os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "unset"))
+shutdown()
+"""
+
+
+@pytest.mark.gpu
+def test_a_real_nccl_group_leaves_async_error_handling_unset(tmp_path):
+    from conftest import run_bounded
+
+    command = [sys.executable, "-c", NCCL_RANK, f"file://{tmp_path / 'init'}"]
+    environment = {
+        name: value for name, value in clean_env().items() if "ASYNC_ERROR_HANDLING" not in name
+    }
+    result = run_bounded(command, 120, environment)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "unset"

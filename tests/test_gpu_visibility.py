@@ -32,6 +32,7 @@ def four_gpus(tmp_path, monkeypatch):
     script.write_text(FAKE_NVIDIA_SMI.format(lines=lines, csv=csv))
     script.chmod(0o755)
     monkeypatch.setenv("PATH", f"{script.parent}:{os.environ['PATH']}")
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)  # torch can use them
     for name in (*LAUNCHER_VARIABLES, "CUDA_VISIBLE_DEVICES"):
         monkeypatch.delenv(name, raising=False)
     return monkeypatch

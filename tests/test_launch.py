@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, LiveProcess, clean_env, free_port, run_cli, tagged
+from conftest import REPO, LiveProcess, clean_env, free_port, run_bounded, run_cli, tagged
 from test_faults import is_running
 
 STARTUP_S = 90  # imports and rendezvous on a busy two-core machine
@@ -453,3 +453,289 @@ def test_restarted_workers_meet_again_and_a_finished_script_exits_0(tmp_path):
     assert said == ["attempt 2 rank 0 sum 2", "attempt 2 rank 1 sum 2"], result.stdout
     assert "terminate called" not in result.stderr
     assert_none_left(str(script))
+
+
+# --- torchrun's other flags (34.21) ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--no-python"], "--no-python"),
+        (["--no_python"], "--no-python"),
+        (["--logs-specs", "mine"], "--logs-specs"),
+        (["--numa-binding=node"], "--numa-binding"),
+    ],
+)
+def test_torchrun_flags_it_does_not_support_are_named_as_such(tmp_path, flags, named):
+    (tmp_path / "x.py").write_text("raise SystemExit('must not run')\n")
+    result = run_in(tmp_path, "launch", "--nproc", "2", *flags, "x.py")
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert f"{named} is a torchrun flag that ddpcli launch does not support" in result.stderr
+    assert "invalid SCRIPT" not in result.stderr and "must not run" not in result.stderr
+
+
+def test_an_unknown_flag_before_the_script_is_named(tmp_path):
+    (tmp_path / "x.py").write_text("raise SystemExit('must not run')\n")
+    result = run_in(tmp_path, "launch", "--nproc", "2", "--bogus", "x.py")
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "no such option: --bogus" in result.stderr
+    assert "invalid SCRIPT" not in result.stderr
+
+
+def test_torchrun_flags_that_make_sense_are_taken():
+    from torch.distributed.elastic.multiprocessing import Std
+
+    from ddpcli.config.launch import build_launch_config
+    from ddpcli.launch import launch_config
+    from ddpcli.scriptlaunch import script_job
+
+    flags = {
+        "target": "train.py", "nproc": "2", "rdzv_conf": "timeout=40,read_timeout=70",
+        "redirects": "3", "tee": "0:3,1:2", "log_dir": "logs", "local_ranks_filter": "0",
+        "monitor_interval": 0.5, "role": "trainer", "start_method": "fork", "run_path": True,
+        "local_addr": "10.0.0.7",
+    }  # fmt: skip
+    cfg = build_launch_config(flags, environ={})
+    assert cfg.timeout == 40  # torchrun's rendezvous timeout is ddpcli's --timeout
+    config = launch_config(script_job(cfg), "scratch")
+    assert config.rdzv_configs["timeout"] == 40 and config.rdzv_configs["read_timeout"] == 70
+    assert (config.monitor_interval, config.role, config.local_addr) == (0.5, "trainer", "10.0.0.7")
+    logs = config.logs_specs
+    assert logs._redirects == Std.ALL and logs._local_ranks_filter == {0}
+    assert logs._tee == {0: Std.ALL, 1: Std.ERR}
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        ({"redirects": "5"}, "invalid --redirects: give 0, 1, 2 or 3"),
+        ({"tee": "3"}, "invalid --tee: it writes the output to files in --log-dir DIR"),
+        ({"rdzv_conf": "timeout"}, "invalid --rdzv-conf: give KEY=VALUE,..."),
+        ({"rdzv_conf": "colour=red"}, "invalid --rdzv-conf: colour is not a setting"),
+        ({"start_method": "thread"}, "invalid --start-method"),
+        ({"local_ranks_filter": "a"}, "invalid --local-ranks-filter"),
+    ],
+)
+def test_torchrun_flag_values_it_cannot_take_exit_2(flags, message):
+    from ddpcli.config.launch import build_launch_config
+    from ddpcli.errors import DdpcliError
+
+    with pytest.raises(DdpcliError, match=re.escape(message)) as error:
+        build_launch_config({"target": "train.py", **flags}, environ={})
+    assert error.value.exit_code == 2
+
+
+PRINTS_ITS_PORT = """
+    import os
+    import torch.distributed as dist
+    dist.init_process_group("gloo")
+    print(f"rank {dist.get_rank()} port {os.environ['MASTER_PORT']}", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+"""
+
+
+def test_torchrun_flags_run_a_script_and_standalone_keeps_its_port(tmp_path):
+    """--redirects/--tee into --log-dir, --local-ranks-filter on the console, and the flags
+    that change nothing a script sees (34.21); --standalone --master-port P meets on P (34.28)."""
+    script = write_script(tmp_path, "port.py", PRINTS_ITS_PORT)
+    port = free_port()
+    flags = [
+        "--nproc-per-node", "2", "--standalone", "--master-port", str(port),
+        "--log-dir", str(tmp_path / "logs"), "--redirects", "3", "--tee", "3",
+        "--local-ranks-filter", "0", "--monitor-interval", "0.2", "--role", "trainer",
+        "--start-method", "spawn", "--run-path", "--rdzv-conf", "join_timeout=60",
+    ]  # fmt: skip
+    result = run_cli("launch", *flags, str(script), timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"rank 0 port {port}" in result.stdout and "rank 1 port" not in result.stdout
+    logs = {path.parent.name: path.read_text() for path in tmp_path.glob("logs/*/*/*/stdout.log")}
+    assert f"rank 1 port {port}" in logs["1"], logs
+
+
+def test_standalone_with_a_taken_master_port_is_refused(tmp_path):
+    (tmp_path / "x.py").write_text("raise SystemExit('must not run')\n")
+    with socket.socket() as taken:
+        taken.bind(("", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = run_in(tmp_path, "launch", "--standalone", "--master-port", str(port), "x.py")
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert f"invalid --master-port: {port} is in use" in result.stderr
+
+
+# --- a rank that ends early (34.22) ---------------------------------------------------------
+
+ENDS_EARLY = """
+    import sys
+    import torch.distributed as dist
+    dist.init_process_group("gloo")
+    if dist.get_rank() == 1:
+        sys.exit(0)
+    dist.barrier()
+"""
+
+
+def test_a_rank_that_ends_early_is_named_not_another_node(tmp_path):
+    script = write_script(tmp_path, "ends_early.py", ENDS_EARLY)
+    result = run_cli("launch", "--nproc", "2", str(script), timeout=180)
+    assert result.returncode == 1, result.stderr[-3000:]
+    summary = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    host = socket.gethostname()
+    assert summary[0].startswith(f"error: rank 1 on {host} ended early: its script finished")
+    assert f"rank 0 lost its connection to it at {script}:7 in <module>(): dist.barrier()" in (
+        "\n".join(summary)
+    ), summary
+    assert "another node" not in result.stderr
+    assert "distributed_c10d.py" not in "\n".join(summary)  # no torch frames
+    assert_none_left(str(script))
+
+
+# --- --log-dir checked first (34.23) --------------------------------------------------------
+
+
+@pytest.mark.parametrize("log_dir", ["x.py", "x.py/logs"])
+def test_a_log_dir_that_cannot_be_written_exits_2(tmp_path, log_dir):
+    (tmp_path / "x.py").write_text("raise SystemExit('must not run')\n")
+    result = run_in(tmp_path, "launch", "--nproc", "2", "--log-dir", log_dir, "x.py")
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert f"invalid --log-dir: cannot write in {log_dir}: x.py is a file" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_a_log_dir_on_a_read_only_file_system_exits_2(tmp_path):
+    from conftest import run_on_read_only_mount
+
+    (tmp_path / "x.py").write_text("raise SystemExit('must not run')\n")
+    folder = tmp_path / "ro"
+    result = run_on_read_only_mount(
+        folder, f"launch --nproc 2 --log-dir {folder}/logs {tmp_path}/x.py"
+    )
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert f"invalid --log-dir: cannot write in {folder}/logs" in result.stderr
+    assert "read-only file system" in result.stderr
+
+
+# --- restarts in words (34.26) --------------------------------------------------------------
+
+ALWAYS_FAILS = """
+    import os
+    import torch.distributed as dist
+    dist.init_process_group("gloo")
+    attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
+    if dist.get_rank() == 1:
+        raise ValueError(f"attempt {attempt} fails")
+    dist.barrier()
+"""
+
+
+def test_restarts_are_announced_and_the_last_failure_counts_the_attempts(tmp_path):
+    script = write_script(tmp_path, "always_fails.py", ALWAYS_FAILS)
+    result = run_cli("launch", "--nproc", "2", "--max-restarts", "1", str(script), timeout=240)
+    assert result.returncode == 1, result.stderr[-3000:]
+    host = socket.gethostname()
+    announced = [line for line in result.stderr.splitlines() if "restarting" in line]
+    assert len(announced) == 1, result.stderr[-3000:]
+    assert f"rank 1 on {host} failed: exit code 1 (ValueError: attempt 0 fails)" in announced[0]
+    assert "restarting all 2 workers of this node (restart 1 of 1)" in announced[0]
+    summary = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert summary[0].startswith(f"error: rank 1 on {host} failed first: exit code 1"), summary
+    assert "ValueError: attempt 1 fails" in "\n".join(summary)
+    assert "error:   every attempt failed: 2 of 2 (--max-restarts 1)" in summary, summary
+    assert_none_left(str(script))
+
+
+# --- modules and folders from the working folder (34.27) ------------------------------------
+
+
+def ddpcli_program() -> str:
+    """The `ddpcli` console script: its sys.path starts with its own folder, not the
+    working one (`python -m ddpcli` would hide the problem)."""
+    return str(Path(sys.executable).parent / "ddpcli")
+
+
+def test_a_module_and_a_folder_run_from_the_working_folder(tmp_path):
+    package = tmp_path / "mypkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    write_script(package, "job.py", ALL_REDUCE)
+    app = tmp_path / "app"
+    app.mkdir()
+    write_script(app, "__main__.py", ALL_REDUCE)
+    env = clean_env(PYTHONPATH=str(REPO))
+    for target in (["-m", "mypkg.job"], ["app"]):
+        command = [ddpcli_program(), "launch", "--nproc", "2", *target, "--epochs", "1"]
+        result = run_bounded(command, 180, env, cwd=tmp_path)
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert reported_ranks(result.stdout) == ["rank 0/2", "rank 1/2"], result.stdout
+        assert "args ['--epochs', '1']" in result.stdout
+
+
+def test_a_folder_without_main_is_refused(tmp_path):
+    (tmp_path / "app").mkdir()
+    result = run_in(tmp_path, "launch", "--nproc", "2", "app")
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "invalid SCRIPT: app is a folder without __main__.py" in result.stderr
+
+
+# --- nothing of a worker left behind (34.29) ------------------------------------------------
+
+CHILD_IGNORES_SIGNALS = """
+    import signal, subprocess, sys, time
+    import torch.distributed as dist
+    dist.init_process_group("gloo")
+    if dist.get_rank() == 0:
+        code = (
+            "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+            "signal.signal(signal.SIGINT, signal.SIG_IGN); print('child up', flush=True); "
+            "time.sleep(600)"
+        )
+        child = subprocess.Popen([sys.executable, "-c", code, __file__], stdout=subprocess.PIPE)
+        child.stdout.readline()
+    dist.barrier()
+    if dist.get_rank() == 1:
+        raise ValueError("rank 1 fails")
+    time.sleep(600)
+"""
+
+
+def test_a_workers_child_that_ignores_signals_is_ended(tmp_path):
+    script = write_script(tmp_path, "stubborn_child.py", CHILD_IGNORES_SIGNALS)
+    result = run_cli("launch", "--nproc", "2", str(script), timeout=180)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert f"rank 1 on {socket.gethostname()} failed first" in result.stderr
+    assert_none_left(str(script))
+
+
+# --- GPUs a scheduler granted (40.2) --------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("visible", "expected"), [(None, list(range(8))), ("2,5", [2, 5]), ("-1", None)]
+)
+def test_without_nproc_launch_starts_one_process_per_granted_gpu(monkeypatch, visible, expected):
+    from ddpcli import scriptlaunch
+    from ddpcli.config.launch import build_launch_config
+
+    monkeypatch.setattr(scriptlaunch, "physical_gpu_count", lambda: 8)
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    cfg = scriptlaunch.resolve_script_launch(build_launch_config({"target": "x.py"}, environ={}))
+    if expected is None:  # no GPU granted: the CPU's default
+        assert (cfg.gpus, cfg.nproc_per_node) == (None, scriptlaunch.CPU_PROCESSES)
+    else:
+        assert cfg.nproc_per_node == len(expected)
+        assert cfg.gpus == (expected if visible else None)
+
+
+@pytest.mark.gpu
+def test_launch_on_gpus_counts_the_granted_ones(tmp_path):
+    script = write_script(
+        tmp_path, "world.py", "import os\nprint('world', os.environ['WORLD_SIZE'], flush=True)\n"
+    )
+    result = run_cli("launch", str(script), env={"CUDA_VISIBLE_DEVICES": "0"}, timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("world 1") == 1, result.stdout

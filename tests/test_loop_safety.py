@@ -236,3 +236,32 @@ def test_a_max_steps_stop_inside_an_epoch_is_finished_exactly_by_a_resume(tmp_pa
     assert (final["epoch"], final["batch_in_epoch"], final["step"]) == (2, 0, 4)
     for key, tensor in final["model"].items():
         assert torch.allclose(tensor, uninterrupted["model"][key], rtol=1e-5, atol=1e-7), key
+
+
+# --- Throughput of a run stopped early ---------------------------------------------------------
+
+
+def test_a_max_steps_stop_inside_an_epoch_records_the_measured_images_per_sec(tmp_path):
+    """8 steps an epoch, stopped after 2: the timing window is planned on the steps the
+    epoch runs, not on the 8 it would have run (which left nothing timed: 0 img/s)."""
+    out = tmp_path / "run"
+    eight_steps = [*TINY, "--nproc", "2", "--synthetic-size", "512", "--epochs", "1"]
+    result = run_cli("train", *eight_steps, "--max-steps", "2", "--out", str(out), timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (row,) = strict_lines(out / "metrics.jsonl")
+    assert row["partial"] is True and row["step"] == 2
+    assert row["images_per_sec"] > 0
+    assert " 0 img/s" not in result.stderr
+    assert f"{row['images_per_sec']:.0f} img/s" in result.stderr
+
+
+def test_a_rate_that_was_not_measured_is_shown_as_none_not_zero():
+    from ddpcli.dist import DistContext
+    from ddpcli.train import StepTimer
+
+    ctx = DistContext(0, 0, 1, 1, 0, torch.device("cpu"), "gloo")
+    timer = StepTimer(torch.device("cpu"), planned_steps=8)
+    timer.tick(32)  # a preemption after one step: still inside the untimed first steps
+    assert timer.images_per_sec(ctx) is None
+    metrics = {"train_loss": 2.0, "val_loss": None, "images_per_sec": None}
+    assert ui.format_metrics(metrics).endswith("not validated · img/s not measured")

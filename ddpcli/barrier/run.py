@@ -31,6 +31,7 @@ from ddpcli.errors import DdpcliError, usage_error
 from ddpcli.fork import forks_workers
 from ddpcli.launch import BARRIER_WORKER_MODULE, WorkerJob, run_workers, worker_environment
 from ddpcli.machine import check_gpu_indices, cpu_count
+from ddpcli.resolve import check_torch_sees_gpus
 
 RESULT_FILE = "result.json"
 
@@ -48,9 +49,9 @@ def run_rank(cfg: BarrierConfig, env: LauncherEnv, workdir: Path | None) -> dict
         env,
         want_gpu=cfg.uses_gpus,
         backend=cfg.backend,
-        # A real group even for one rank: its barrier is what we time.
-        init_method=None if env.world_size > 1 else "env://",
+        init_method=None,
         timeout_s=group_timeout_s(cfg),
+        group_of_one=True,  # its barrier is what we time
     )
     hung = False
     try:
@@ -115,6 +116,7 @@ def run_bench(
     if launcher is not None:  # torchrun or SLURM made this process a rank
         return run_rank(cfg, launcher, workdir=None)
     check_gpu_indices(cfg.gpus, cpu_alternative="--nproc N for CPU ranks")
+    check_torch_sees_gpus(len(cfg.gpus or []), on_the_cpu="use --nproc N for CPU ranks")
     if on_start is not None:
         on_start()
     workdir = Path(tempfile.mkdtemp(prefix="ddpcli-bench-barrier-"))

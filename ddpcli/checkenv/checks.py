@@ -23,6 +23,7 @@ from ddpcli.environments.pods import pet_variables
 from ddpcli.errors import DdpcliError, first_line
 from ddpcli.machine import check_interface
 from ddpcli.process import ROOM_FOR_TMPDIR, multiprocessing_sockets_fit
+from ddpcli.resolve import gpus_torch_cannot_use
 
 
 def run_checks(options: CheckEnvOptions) -> Report:
@@ -62,20 +63,13 @@ def cuda_row(facts: NodeFacts) -> Row:
     if physical == 0:
         build = f"{cuda} build" if cuda else "CPU-only torch build"
         return ok("CUDA", f"{build}; no GPU on this node, so runs use Gloo on the CPU")
-    if not cuda:
-        return warn(
-            "CUDA",
-            f"CPU-only torch build, but nvidia-smi shows {physical} GPU(s)",
-            "install a CUDA build of torch (see pytorch.org/get-started) to use them",
-        )
     hidden = all(gpu.cuda_index is None for gpu in facts.gpus)
     if facts.cuda_visible_devices is not None and hidden:
-        return ok("CUDA", f"{cuda}{driver_text}; CUDA_VISIBLE_DEVICES hides every GPU")
-    return fail(
-        "CUDA",
-        f"torch (CUDA {cuda}) cannot use the {physical} GPU(s) nvidia-smi shows{driver_text}",
-        f"install an NVIDIA driver that supports CUDA {cuda}, or a torch build for this driver",
-    )
+        build = f"{cuda}{driver_text}" if cuda else "CPU-only torch build"
+        return ok("CUDA", f"{build}; CUDA_VISIBLE_DEVICES hides every GPU")
+    # What `ddpcli train` and `bench-barrier --gpus` refuse to start with (exit 2), in their words.
+    problem, fix = gpus_torch_cannot_use(facts.versions["torch"], cuda, driver or None, physical)
+    return fail("CUDA", problem, f"{fix}, or run on the CPU (ddpcli train --cpu)")
 
 
 def nccl_row(facts: NodeFacts, options: CheckEnvOptions) -> Row:

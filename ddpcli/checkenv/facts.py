@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from ddpcli.checkenv.network import Interface, list_interfaces, resolve_ip, route_to
 from ddpcli.config.checkenv import CheckEnvOptions, is_loopback
 from ddpcli.environments.pods import PET_FLAGS
-from ddpcli.machine import run_tool
+from ddpcli.machine import nvidia_driver_version, run_tool
 
 SOCKET_IFNAME_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 DISTRIBUTED_VARIABLES = (
@@ -134,11 +134,6 @@ def backend_availability() -> dict[str, bool]:
         "nccl": dist.is_nccl_available(),
         "mpi": dist.is_mpi_available(),
     }
-
-
-def nvidia_driver_version() -> str | None:
-    listing = run_tool(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
-    return listing.splitlines()[0].strip() if listing and listing.strip() else None
 
 
 def nvidia_smi_gpus() -> list[Gpu] | None:

@@ -143,8 +143,9 @@ def join_group(env: LauncherEnv, request: ProbeRequest) -> StageResult:
         env,
         want_gpu=request.use_gpus,
         backend=request.backend,
-        init_method="env://",  # always form a group, even of one rank
+        init_method=None,
         timeout_s=request.stage_timeout,
+        group_of_one=True,  # its collectives are what we check
     )
     return StageResult(f"{ctx.backend}, {ctx.device}", {"device": str(ctx.device)}, ctx)
 

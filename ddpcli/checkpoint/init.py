@@ -17,8 +17,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from ddpcli.checkpoint.loading import model_state, safe_load, strip_ddp_prefix
-from ddpcli.errors import DdpcliError, usage_error
+from ddpcli.checkpoint.loading import (
+    listed_briefly,
+    model_state,
+    non_finite_tensors,
+    safe_load,
+    strip_ddp_prefix,
+)
+from ddpcli.errors import USAGE, DdpcliError, usage_error
 
 SHOWN_NAMES = 6  # names listed per group; the rest are counted
 
@@ -89,6 +95,7 @@ def fit_initial_weights(
             f"invalid --init-from: no tensor name in {path} is one of this model's (the file "
             f"has {listed(list(state))}); check --arch and --model-arg"
         )
+    check_finite_weights({key: taken[key] for key in loaded}, path)
     model.load_state_dict({key: taken[key] for key in loaded}, strict=False)
     return InitReport(
         path,
@@ -125,6 +132,8 @@ def load_initial_weights(
     try:
         payload = safe_load(path, map_location=map_location)
     except DdpcliError as error:
+        if error.exit_code != USAGE:  # the device failed (out of memory), not the file
+            raise
         raise usage_error(f"invalid --init-from: {error.message}") from None
     source = model_state(payload)
     if source is None:
@@ -133,3 +142,13 @@ def load_initial_weights(
             "`ddpcli checkpoint convert` output or a state dict saved with torch.save"
         )
     return fit_initial_weights(model, source, num_classes, reset_head, path)
+
+
+def check_finite_weights(state: dict[str, torch.Tensor], path: Path) -> None:
+    """NaN or inf in the weights taken trains nothing, and the run would blame the rate."""
+    bad, _ = non_finite_tensors(state.items())
+    if bad:
+        raise usage_error(
+            f"invalid --init-from: {path} holds NaN or inf in {listed_briefly(bad)}; these "
+            "weights cannot train, take an earlier checkpoint"
+        )

@@ -9,24 +9,79 @@ import pickle
 import re
 import warnings
 import zipfile
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ddpcli.errors import DdpcliError, first_line, usage_error
+from ddpcli.errors import DdpcliError, first_line, runtime_error, usage_error
 from ddpcli.files import digest_status, sha256_path
 
 DDP_PREFIX = "module."
+# What a RuntimeError from the GPU says (not "CUDA" alone: loading a GPU file on a machine
+# without CUDA says that too, and is the file's business).
+DEVICE_FAILURES = ("CUDA error", "out of memory", "CUBLAS_STATUS", "CUDNN_STATUS", "device-side")
 
 
-def check_recorded_digest(path: Path) -> None:
+def check_recorded_digest(path: Path) -> dict[str, Any]:
+    """Exit 2 when the bytes changed since the save; else the digest's status, which says
+    whether they could be checked at all (`unchecked_digest_reason`)."""
     status = digest_status(path)
     if status["status"] == "mismatch":
         raise usage_error(
             f"checkpoint {path} is corrupt: its SHA-256 {status['sha256'][:12]}… differs from "
             f"{status['recorded'][:12]}… recorded in {sha256_path(path).name} when it was saved"
         )
+    return status
+
+
+def unchecked_digest_reason(path: Path, status: dict[str, Any]) -> str | None:
+    """Why the bytes of PATH cannot be checked against the save's SHA-256, or None."""
+    sidecar = sha256_path(path).name
+    if status["status"] == "missing":
+        return (
+            f"no {sidecar} beside the file, so its bytes cannot be checked (ddpcli records one "
+            "with every save: copy it along with the checkpoint)"
+        )
+    if status["status"] == "unreadable":
+        return (
+            f"{sidecar} is unreadable: it holds no SHA-256 digest, so the bytes cannot be "
+            "checked (it was damaged or replaced; the checkpoint itself may be fine)"
+        )
+    return None
+
+
+def iter_tensors(obj: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor in a loaded checkpoint, named by its path: `optimizer/state/0/...`."""
+    if isinstance(obj, torch.Tensor):
+        yield prefix, obj
+    elif isinstance(obj, dict):
+        for key, value in obj.items():
+            yield from iter_tensors(value, f"{prefix}/{key}" if prefix else str(key))
+    elif isinstance(obj, (list, tuple)):
+        for index, value in enumerate(obj):
+            yield from iter_tensors(value, f"{prefix}/{index}" if prefix else str(index))
+
+
+def non_finite_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> tuple[list[str], int]:
+    """`name (N NaN/inf)` for each floating tensor that holds NaN or inf, and how many
+    floating tensors were looked at."""
+    bad: list[str] = []
+    checked = 0
+    for name, tensor in named:
+        if not (tensor.is_floating_point() or tensor.is_complex()):
+            continue
+        checked += 1
+        non_finite = tensor.numel() - int(torch.isfinite(tensor).sum())
+        if non_finite:
+            bad.append(f"{name} ({non_finite} NaN/inf)")
+    return bad, checked
+
+
+def listed_briefly(names: list[str], shown: int = 3) -> str:
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
 
 
 def safe_load(
@@ -49,11 +104,39 @@ def safe_load(
             check_recorded_digest(path)  # damaged bytes, not a malicious file: say so
         raise _refusal(path, error) from None
     except Exception as error:  # a broken file can fail in any layer: zip, pickle, storage
+        if is_device_failure(error):  # the GPU's fault, not the file's
+            raise device_load_error(path, map_location, error) from None
         check_recorded_digest(path)
         raise usage_error(
             f"checkpoint {path} is truncated or corrupt and cannot be read "
             f"({_corruption_detail(path, error)})"
         ) from None
+
+
+def is_device_failure(error: BaseException) -> bool:
+    """Out of memory on the device, or a CUDA error: the file may well be fine."""
+    if isinstance(error, torch.OutOfMemoryError):
+        return True
+    accelerator_error = getattr(torch, "AcceleratorError", ())  # torch >= 2.8
+    if accelerator_error and isinstance(error, accelerator_error):
+        return True
+    text = str(error)
+    return isinstance(error, RuntimeError) and any(marker in text for marker in DEVICE_FAILURES)
+
+
+def device_load_error(path: Path, map_location: Any, error: BaseException) -> DdpcliError:
+    """A run-time failure (exit 1) in one line, with what to do about it."""
+    onto = f" onto {map_location}" if isinstance(map_location, (str, torch.device)) else ""
+    where = f"loading {path}{onto}"
+    if isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error):
+        return runtime_error(
+            f"out of memory {where}: {first_line(error, limit=160)}; free that GPU's memory "
+            "(nvidia-smi shows which processes hold it) or train on another GPU (--gpus)"
+        )
+    return runtime_error(
+        f"CUDA error {where}: {first_line(error, limit=200)}; the GPU failed, not the file "
+        "(`ddpcli checkpoint verify` checks it on the CPU)"
+    )
 
 
 def _check_readable(path: Path) -> None:

@@ -4,7 +4,6 @@ loaded safely (memory-mapped, weights_only=True). The CLI only shows it."""
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -12,29 +11,22 @@ import torch
 
 from ddpcli.checkpoint.loading import (
     has_ddp_prefix,
+    iter_tensors,
+    listed_briefly,
     model_state,
+    non_finite_tensors,
     safe_load,
     state_dict_mismatch,
     strip_ddp_prefix,
+    unchecked_digest_reason,
 )
 from ddpcli.checkpoint.schema import FORMAT, TRAINING_KEYS, checkpoint_kind, weights_only_payload
+from ddpcli.checkpoint.trust import model_to_rebuild
 from ddpcli.errors import first_line, runtime_error, usage_error
-from ddpcli.factories import is_factory_spec, parse_factory_spec
-from ddpcli.files import atomic_save, digest_status, folder_write_problem, sha256_path
+from ddpcli.factories import FactorySpec, is_factory_spec, parse_factory_spec
+from ddpcli.files import atomic_save, digest_status, folder_write_problem
 
 BATCHNORM_STATISTICS = ("running_mean", "running_var", "num_batches_tracked")
-
-
-def iter_tensors(obj: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor in a loaded checkpoint, named by its path: `optimizer/state/0/...`."""
-    if isinstance(obj, torch.Tensor):
-        yield prefix, obj
-    elif isinstance(obj, dict):
-        for key, value in obj.items():
-            yield from iter_tensors(value, f"{prefix}/{key}" if prefix else str(key))
-    elif isinstance(obj, (list, tuple)):
-        for index, value in enumerate(obj):
-            yield from iter_tensors(value, f"{prefix}/{index}" if prefix else str(index))
 
 
 def count_parameters(state: dict[str, torch.Tensor]) -> int:
@@ -114,17 +106,19 @@ def describe_state(state: dict[str, torch.Tensor]) -> dict[str, Any]:
 
 
 def verify_checkpoint(
-    path: Path, arch: str | None = None, num_classes: int | None = None
+    path: Path, arch: str | None = None, num_classes: int | None = None, trust_code: bool = False
 ) -> dict[str, Any]:
     """Load safely, then check the digest, that every tensor is finite, and that the model of
-    its config accepts the state dict. Each check passes, fails or is skipped, with why."""
+    its config accepts the state dict. Each check passes, fails or is skipped, with why. The
+    model is rebuilt from the file's config only as `model_to_rebuild` allows: an import
+    path there runs nothing unless ARCH names it too or TRUST_CODE is given."""
     path = Path(path)
     payload = safe_load(path, lazy=True)
     checks = [
         {"check": "safe load", "status": "pass", "detail": "weights_only=True"},
         _check_digest(path),
         _check_finite(payload),
-        _check_model(payload, arch, num_classes),
+        _check_model(payload, arch, num_classes, trust_code),
         _check_training_state(payload),
     ]
     return {
@@ -138,19 +132,9 @@ def _check_digest(path: Path) -> dict[str, str]:
     """The bytes against the SHA-256 recorded at the save. Without a readable record they
     cannot be checked, and a verification that could not check them does not pass."""
     status = digest_status(path)
-    sidecar = sha256_path(path).name
-    if status["status"] == "missing":
-        detail = (
-            f"no {sidecar} beside the file, so its bytes cannot be checked (ddpcli records one "
-            "with every save: copy it along with the checkpoint)"
-        )
-        return {"check": "sha256", "status": "fail", "detail": detail}
-    if status["status"] == "unreadable":
-        detail = (
-            f"{sidecar} is unreadable: it holds no SHA-256 digest, so the bytes cannot be "
-            "checked (it was damaged or replaced; the checkpoint itself may be fine)"
-        )
-        return {"check": "sha256", "status": "fail", "detail": detail}
+    unchecked = unchecked_digest_reason(path, status)
+    if unchecked:
+        return {"check": "sha256", "status": "fail", "detail": unchecked}
     if status["status"] == "mismatch":
         detail = (
             f"file is {status['sha256'][:16]}…, the save recorded {status['recorded'][:16]}…: "
@@ -161,40 +145,33 @@ def _check_digest(path: Path) -> dict[str, str]:
 
 
 def _check_finite(payload: Any) -> dict[str, str]:
-    bad: list[str] = []
-    checked = 0
-    for name, tensor in iter_tensors(payload):
-        if not (tensor.is_floating_point() or tensor.is_complex()):
-            continue
-        checked += 1
-        non_finite = tensor.numel() - int(torch.isfinite(tensor).sum())
-        if non_finite:
-            bad.append(f"{name} ({non_finite} NaN/inf)")
+    bad, checked = non_finite_tensors(iter_tensors(payload))
     if bad:
-        more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
-        return {"check": "finite", "status": "fail", "detail": ", ".join(bad[:3]) + more}
+        return {"check": "finite", "status": "fail", "detail": listed_briefly(bad)}
     return {"check": "finite", "status": "pass", "detail": f"{checked} float tensors"}
 
 
-def _check_model(payload: Any, arch: str | None, num_classes: int | None) -> dict[str, str]:
+def _check_model(
+    payload: Any, arch: str | None, num_classes: int | None, trust_code: bool
+) -> dict[str, str]:
     state = model_state(payload)
     if state is None:
         return {"check": "model", "status": "fail", "detail": "no model state dict found"}
     saved = training_summary(payload) if isinstance(payload, dict) else {}
-    arch = arch or saved.get("arch")
-    if not arch:
-        detail = "the file names no architecture; pass --arch to check it"
-        return {"check": "model", "status": "skip", "detail": detail}
+    choice = model_to_rebuild(saved.get("config"), arch, trust_code)
+    if choice.arch is None:
+        return {"check": "model", "status": "skip", "detail": choice.reason}
     state = strip_ddp_prefix(state)
     classes = num_classes or saved.get("num_classes") or infer_num_classes(state)
     try:
-        model = build_model_skeleton(arch, classes)
+        model = build_model_skeleton(choice.arch, classes, choice.model_args)
     except Exception as error:  # an unknown arch is a verdict on the file, not a crash
         return {"check": "model", "status": "fail", "detail": first_line(error, limit=200)}
     problems = state_dict_mismatch(model, state)
     if problems:
         return {"check": "model", "status": "fail", "detail": "; ".join(problems)}
-    detail = f"{arch}(num_classes={classes}) accepts all {len(state)} tensors"
+    arguments = "".join(f", {key}={value!r}" for key, value in choice.model_args.items())
+    detail = f"{choice.arch}(num_classes={classes}{arguments}) accepts all {len(state)} tensors"
     return {"check": "model", "status": "pass", "detail": detail}
 
 
@@ -223,12 +200,14 @@ def infer_num_classes(state: dict[str, torch.Tensor]) -> int | None:
     return None
 
 
-def build_model_skeleton(arch: str, num_classes: int | None) -> torch.nn.Module:
+def build_model_skeleton(
+    arch: str, num_classes: int | None, model_args: dict[str, Any] | None = None
+) -> torch.nn.Module:
     """The model on the meta device: shapes and names only, no memory, no initialisation."""
     from ddpcli.models import build_model
 
     with torch.device("meta"):
-        return build_model(arch, 1000 if num_classes is None else num_classes)
+        return build_model(arch, 1000 if num_classes is None else num_classes, model_args)
 
 
 # --- Converting --------------------------------------------------------------------------
@@ -305,9 +284,20 @@ def load_hint(
         spec = parse_factory_spec(arch, "--arch")
         keywords = "".join(f", {key}={value!r}" for key, value in (model_args or {}).items())
         model = f"{spec.attribute}(num_classes={num_classes or 'N'}{keywords})"
-        return f"from {spec.source} import {spec.attribute}; {model}.load_state_dict({state})"
+        return f"{factory_import(spec)}; {model}.load_state_dict({state})"
     elif arch in BUILTIN_MODELS:
         model = f"ddpcli.models.build_model({arch!r}, num_classes={num_classes})"
     else:
         model = f"torchvision.models.{arch or 'ARCH'}(num_classes={num_classes or 'N'})"
     return f"{model}.load_state_dict({state})"
+
+
+def factory_import(spec: FactorySpec) -> str:
+    """Python that binds the factory's name: an import of a module, or of a file beside
+    the user as a module of its name; any other file is run by path (runpy)."""
+    if not spec.is_file:
+        return f"from {spec.source} import {spec.attribute}"
+    path = Path(spec.source)
+    if path.parent == Path(".") and path.stem.isidentifier():
+        return f"from {path.stem} import {spec.attribute}"
+    return f"import runpy; {spec.attribute} = runpy.run_path({str(path)!r})[{spec.attribute!r}]"

@@ -17,7 +17,17 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ddpcli.checkpoint.loading import load_model_state, model_state, safe_load
+from ddpcli import ui
+from ddpcli.checkpoint.loading import (
+    check_recorded_digest,
+    iter_tensors,
+    listed_briefly,
+    load_model_state,
+    model_state,
+    non_finite_tensors,
+    safe_load,
+    unchecked_digest_reason,
+)
 from ddpcli.config import TrainConfig
 from ddpcli.data.resharding import samples_trained
 from ddpcli.dist import DistContext
@@ -103,6 +113,7 @@ def restore_training(
     world has the size that saved it. The position in the epoch is this world's own
     (`resumed_position`)."""
     load_model_state(parts.model, payload["model"], path)
+    check_optimizer_fits(payload, parts.optimizer, path)
     parts.optimizer.load_state_dict(payload["optimizer"])
     parts.scheduler.load_state_dict(payload["scheduler"])
     if payload.get("scaler"):
@@ -282,13 +293,62 @@ def resized_for_resume(cfg: TrainConfig, world_size: int) -> TrainConfig:
 
 
 def check_resume_source(cfg: TrainConfig) -> None:
-    """For the launcher, before any worker starts: a missing, broken or unsafe `--resume`
-    file is one line and exit 2 at once. Structure only (memory-mapped); the workers check
-    the digest when they load it for real."""
+    """For the launcher, before any worker starts: a missing, broken, unsafe or damaged
+    `--resume` file is one line and exit 2 at once. What `checkpoint verify` checks is
+    checked here (memory-mapped), and a digest that cannot be checked is said; the
+    workers check the digest again when they load the file for real."""
     path = find_resume_path(cfg)
     if path is None:
         return
-    check_training_payload(safe_load(path, lazy=True), path)
+    payload = safe_load(path, lazy=True)
+    check_training_payload(payload, path)
+    check_same_optimizer(payload, cfg.optimizer, path)
+    unchecked = unchecked_digest_reason(path, check_recorded_digest(path))
+    if unchecked:
+        ui.warn(f"cannot check {path} against its save's SHA-256, resuming anyway: {unchecked}")
+    check_finite_payload(payload, path)
+
+
+def check_finite_payload(payload: dict[str, Any], path: Path) -> None:
+    """NaN or inf anywhere (weights, a momentum buffer, the EMA) would resume into a run
+    that cannot recover from it."""
+    bad, _ = non_finite_tensors(iter_tensors(payload))
+    if bad:
+        raise usage_error(
+            f"cannot resume from {path}: it holds NaN or inf ({listed_briefly(bad)}); resume "
+            "from an earlier checkpoint (`ddpcli checkpoint verify` checks each)"
+        )
+
+
+# The class of the optimizer each --optimizer value builds (ddpcli.train.make_optimizer).
+OPTIMIZER_FLAGS = {"SGD": "sgd", "AdamW": "adamw"}
+
+
+def check_same_optimizer(payload: dict[str, Any], wanted: str, path: Path) -> None:
+    """Another optimizer's state loads without a word and fails at the first step (torch's
+    KeyError 'momentum_buffer' or 'step'): refuse it, naming both."""
+    saved = (payload.get("config") or {}).get("optimizer") or "sgd"  # before adamw: sgd
+    if saved != wanted:
+        raise usage_error(
+            f"cannot resume from {path}: it was trained with --optimizer {saved}, this run asks "
+            f"for --optimizer {wanted}; resume with --optimizer {saved}, or start a new run from "
+            f"its weights with --init-from {path}"
+        )
+
+
+def check_optimizer_fits(
+    payload: dict[str, Any], optimizer: torch.optim.Optimizer, path: Path
+) -> None:
+    """The saved optimizer state is this optimizer's, with as many parameter groups."""
+    kind = type(optimizer).__name__
+    check_same_optimizer(payload, OPTIMIZER_FLAGS.get(kind, kind.lower()), path)
+    saved_groups = len(payload["optimizer"].get("param_groups", []))
+    if saved_groups != len(optimizer.param_groups):
+        raise usage_error(
+            f"cannot resume from {path}: its optimizer has {saved_groups} parameter group(s), "
+            f"this run's has {len(optimizer.param_groups)} (--norm-weight-decay adds one for "
+            "the norm layers); resume with the checkpoint's settings"
+        )
 
 
 def find_resume_path(cfg: TrainConfig) -> Path | None:

@@ -52,20 +52,31 @@ def verify(
         int | None,
         option("Classes of that model.", default="the file's, else its head's size"),
     ] = None,
+    trust_checkpoint_code: Annotated[
+        bool,
+        typer.Option(
+            "--trust-checkpoint-code",
+            help="Import the model code the file's config names (pkg.module:factory); "
+            "without it only built-in, torchvision and timm names are rebuilt.",
+        ),
+    ] = False,
     json_output: JsonFlag = False,
 ) -> None:
     """Check a checkpoint's digest, tensors and fit to its model.
 
     The recorded SHA-256, finite tensors, and that the model accepts the weights.
 
-    Loads with weights_only=True. Exit 1 with the reason if a check fails, 2 if the file
-    cannot be read safely at all."""
+    Loads with weights_only=True, and runs no code the file names: a model given there as
+    an import path is checked only with the same --arch or --trust-checkpoint-code. Exit 1
+    with the reason if a check fails, 2 if the file cannot be read safely at all."""
 
     def action() -> None:
         check_verify_options(arch, num_classes)
         from ddpcli.checkpoint.report import verify_checkpoint
 
-        report = verify_checkpoint(path, arch=arch, num_classes=num_classes)
+        report = verify_checkpoint(
+            path, arch=arch, num_classes=num_classes, trust_code=trust_checkpoint_code
+        )
         if json_output:
             ui.print_json(report)
         else:

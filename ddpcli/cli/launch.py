@@ -15,6 +15,7 @@ from ddpcli.cli.app import _state, app, run_command
 from ddpcli.cli.options import option
 
 NODES = "Multi-node"
+TORCHRUN = "torchrun's own"
 
 
 def spellings(name: str, *more: str) -> tuple[str, ...]:
@@ -143,6 +144,81 @@ def launch(
             "One log file per rank; the terminal shows rank 0 and every rank's errors.",
             default="none: the terminal",
             decls=spellings("log-dir"),
+        ),
+    ] = None,
+    redirects: Annotated[
+        str | None,
+        option(
+            "Output of the workers into --log-dir's files: 0 none, 1 stdout, 2 stderr, 3 both; "
+            "per rank: 0:3,1:2.",
+            default="3 with --log-dir",
+            panel=TORCHRUN,
+            decls=("--redirects",),
+        ),
+    ] = None,
+    tee: Annotated[
+        str | None,
+        option(
+            "What the terminal also shows of the redirected output, as --redirects.",
+            default="rank 0's output and every rank's errors",
+            panel=TORCHRUN,
+            decls=("--tee",),
+        ),
+    ] = None,
+    local_ranks_filter: Annotated[
+        str | None,
+        option(
+            "Local ranks whose output the terminal shows: 0,1.",
+            default="all",
+            panel=TORCHRUN,
+            decls=spellings("local-ranks-filter"),
+        ),
+    ] = None,
+    rdzv_conf: Annotated[
+        str | None,
+        option(
+            "The rendezvous's settings: timeout=S (as --timeout), read_timeout=S, ...",
+            panel=TORCHRUN,
+            decls=spellings("rdzv-conf"),
+        ),
+    ] = None,
+    monitor_interval: Annotated[
+        float | None,
+        option(
+            "Seconds between the agent's looks at its workers.",
+            default="0.1",
+            panel=TORCHRUN,
+            decls=spellings("monitor-interval"),
+        ),
+    ] = None,
+    role: Annotated[
+        str | None,
+        option("The workers' role name.", panel=TORCHRUN, decls=("--role",)),
+    ] = None,
+    local_addr: Annotated[
+        str | None,
+        option(
+            "The address this node gives the others at the c10d rendezvous.",
+            default="--ifname's, else the route's",
+            panel=TORCHRUN,
+            decls=spellings("local-addr"),
+        ),
+    ] = None,
+    start_method: Annotated[
+        str | None,
+        option(
+            "Taken, without effect: a script's workers are programs, as under torchrun.",
+            panel=TORCHRUN,
+            decls=spellings("start-method"),
+        ),
+    ] = None,
+    run_path: Annotated[
+        bool | None,
+        typer.Option(
+            "--run-path",
+            "--run_path",
+            help="Taken: every worker runs the script with runpy anyway.",
+            rich_help_panel=TORCHRUN,
         ),
     ] = None,
 ) -> None:

@@ -21,7 +21,9 @@ def plot(
     runs: Annotated[
         list[Path],
         typer.Argument(
-            help="Run folders (a train run's --out); several are overlaid.", metavar="RUN_DIR..."
+            help="Run folders (a train run's --out); several are overlaid, and one of them "
+            "without metrics is skipped with a warning.",
+            metavar="RUN_DIR...",
         ),
     ],
     out: Annotated[
@@ -59,7 +61,9 @@ def plot(
 
         picture_format(out)
         panels = choose_panels(metric or ())
-        curves = read_runs(runs)
+        curves, skipped = read_runs(runs)
+        for missing in skipped:
+            ui.warn(f"skipped {missing.folder}: it {missing.reason}")
         try:
             draw_picture(curves, panels, out)
         except OSError as error:
@@ -71,6 +75,9 @@ def plot(
                 "runs": [
                     {"name": run.label, "folder": str(run.folder), "last_step": run.last_step}
                     for run in curves
+                ],
+                "skipped": [
+                    {"folder": str(missing.folder), "reason": missing.reason} for missing in skipped
                 ],
             })  # fmt: skip
             return

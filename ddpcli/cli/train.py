@@ -167,7 +167,9 @@ def train(
             MODEL,
         ),
     ] = None,
-    momentum: Annotated[float | None, train_option("momentum", "SGD's.", MODEL)] = None,
+    momentum: Annotated[
+        float | None, train_option("momentum", "SGD's.", MODEL, default="0.9 with sgd")
+    ] = None,
     betas: Annotated[
         str | None,
         train_option("betas", "AdamW's, as B1,B2.", MODEL, default="0.9,0.999 with adamw"),
@@ -231,6 +233,9 @@ def train(
         ),
     ] = None,
     bucket_cap_mb: Annotated[float | None, train_option("bucket_cap_mb", panel=PROCS)] = None,
+    find_unused_parameters: Annotated[
+        bool | None, train_option("find_unused_parameters", panel=PROCS)
+    ] = None,
     nnodes: Annotated[
         str | None,
         train_option(
@@ -434,9 +439,9 @@ def train(
         """Resolve what needs torch, check the rest, then launch: the run's config and rank
         0's summary (None for a dry run, shown)."""
         from ddpcli.preflight import preflight
-        from ddpcli.resolve import with_cpu_precision
+        from ddpcli.resolve import with_cpu_precision, with_usable_gpus
 
-        cfg = with_cpu_precision(cfg)
+        cfg = with_cpu_precision(with_usable_gpus(cfg))
 
         built = preflight(cfg)  # the user's own code runs here first: exit 2 before workers
         if dry_run:
@@ -480,15 +485,23 @@ def resume_command(out: str, argv: list[str] | None = None) -> str:
 
 
 def stopped_early(summary: dict) -> DdpcliError:
-    """Ctrl-C: exit 130; a preemption: exit 1. One line: where, what was saved, what next."""
+    """Ctrl-C: exit 130; a preemption or a termination: exit 1. One line: where, what was
+    saved, what next."""
     where = f"epoch {summary['stopped_epoch']} step {summary['stopped_step']}"
     resume = resume_command(summary["out"])
     saved = summary.get("last_checkpoint")
     if saved and summary.get("checkpoint_at"):
         saved = f"{saved} ({summary['checkpoint_at']})"
+    checkpoint = f"last checkpoint: {saved}" if saved else "no checkpoint saved yet"
     if summary["stopped"] == "interrupted":
-        checkpoint = f"last checkpoint: {saved}" if saved else "no checkpoint saved yet"
         return DdpcliError(f"interrupted at {where}; {checkpoint}; resume: {resume}", INTERRUPTED)
+    if summary["stopped"] == "terminated":  # SIGTERM, with --preempt-signal USR1
+        preempt = summary["preempt_signal"].removeprefix("SIG")
+        return DdpcliError(
+            f"terminated at {where} by SIGTERM, not the preemption signal (--preempt-signal "
+            f"{preempt}); {checkpoint}; resume: {resume}",
+            RUNTIME,
+        )
     return DdpcliError(
         f"preempted at {where}: saved {saved}; resume: {resume} (a job requeued with the same "
         "--out resumes by itself)",
@@ -508,7 +521,7 @@ def show_config(cfg, json_output: bool, built: dict | None = None) -> None:
 
 def resource_line(cfg, summary: dict) -> str:
     """What the run cost: images/s for the strategy that ran, and peak memory per device."""
-    line = f"strategy {cfg.strategy}: {summary.get('images_per_sec', 0):.0f} img/s"
+    line = f"strategy {cfg.strategy}: {ui.rate_of(summary)}"
     if summary.get("peak_memory_mb"):
         label = "per GPU" if cfg.strategy != "ddp" else "per GPU (by rank)"
         peaks = ", ".join(f"{i}: {mb:.0f}" for i, mb in enumerate(summary["peak_memory_mb"]))

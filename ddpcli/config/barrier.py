@@ -5,10 +5,11 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 
 from ddpcli.config.common import (
     Backend,
+    CommandConfig,
     GpuList,
     from_comma_text,
     given,
@@ -44,14 +45,12 @@ def parse_name_list(text: str, name: str) -> list[str]:
     return [part for part in text.replace(" ", "").replace("-", "_").split(",") if part]
 
 
-class BarrierConfig(BaseModel):
+class BarrierConfig(CommandConfig):
     """Everything `ddpcli bench-barrier` needs. Field names are the flags with `_` for `-`.
 
     Fields that depend on the number of ranks come after `nproc` and `gpus`, so their
     validators can check against it and name the flag that is wrong.
     """
-
-    model_config = ConfigDict(extra="forbid")
 
     nproc: int | None = Field(None, ge=1, le=1024)
     gpus: GpuList = None

@@ -7,9 +7,9 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
-from ddpcli.config.common import Backend, check_node_rank, given, validated
+from ddpcli.config.common import Backend, CommandConfig, check_node_rank, given, validated
 from ddpcli.errors import usage_error
 
 DEFAULT_MASTER_PORT = 29500  # torchrun's default: the port a run uses unless told otherwise
@@ -23,10 +23,8 @@ def is_loopback(host: str) -> bool:
         return host == "localhost"
 
 
-class CheckEnvOptions(BaseModel):
+class CheckEnvOptions(CommandConfig):
     """What `ddpcli check-env` was asked to check. Field names are the flags."""
-
-    model_config = ConfigDict(extra="forbid")
 
     ifname: str | None = None
     master_addr: str = Field("127.0.0.1", min_length=1)

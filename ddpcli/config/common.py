@@ -1,16 +1,35 @@
-"""What every command's configuration shares: value types, list parsing, the GPU-list and
-node-rank rules, and pydantic errors rewritten as `invalid --flag: ... (got X)`."""
+"""What every command's configuration shares: the base of every config (no unknown setting,
+no inf or nan), value types, list parsing, the GPU-list and node-rank rules, a recipe's
+strict types, and pydantic errors rewritten as `invalid --flag: ... (got X)`."""
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ValidationError
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    TypeAdapter,
+    ValidationError,
+)
 
 from ddpcli.environments.pods import PET_FLAGS, pet_variables
 from ddpcli.errors import DdpcliError, usage_error
+
+
+class CommandConfig(BaseModel):
+    """The base of every command's config. A setting it does not know is refused, and so is
+    a number that is not finite, in every float field and list: `--lr inf` passes `gt=0`,
+    `--timeout inf` every lower bound, and a run would go on with a rate or a wait that
+    means nothing."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
 
 Backend = Literal["auto", "nccl", "gloo"]
 Precision = Literal["auto", "bf16", "fp16", "fp32"]
@@ -65,11 +84,13 @@ def check_node_rank(node_rank: int, nnodes: int) -> None:
 FLAG_SPELLINGS = {"model_args": "--model-arg"}
 
 
-def describe_validation_error(error: ValidationError) -> str:
-    """One line per problem, naming the flag and what is allowed."""
+def describe_validation_error(error: ValidationError, setting: str = "") -> str:
+    """One line per problem, naming the flag and what is allowed; SETTING names the field
+    of an error that is one field's alone (a TypeAdapter's)."""
     lines: list[str] = []
     for problem in error.errors():
-        field = ".".join(str(part) for part in problem["loc"] if not isinstance(part, int))
+        named = (str(part) for part in problem["loc"] if not isinstance(part, int))
+        field = ".".join([setting, *named] if setting else named)
         message = problem["msg"].removeprefix("Value error, ")
         if problem["type"] == "extra_forbidden":
             message = "is not a known setting (see `ddpcli train --help`)"
@@ -100,6 +121,28 @@ def with_origins(error: DdpcliError, origins: dict[str, str]) -> DdpcliError:
 
 
 Model = TypeVar("Model", bound=BaseModel)
+
+
+def check_strict_types(
+    model: type[BaseModel], settings: dict[str, Any], text_forms: tuple[str, ...] = ()
+) -> None:
+    """Exit 2 for a recipe's value that fits MODEL only once converted (`epochs = true`,
+    `cpu = "yes"`, `lr = "0.1"`), as a flag of the wrong type is: pydantic would take it.
+    A whole number for a float field stays (`lr = 1`), and so does the text form of a field
+    in TEXT_FORMS, which the model parses itself (`nnodes = "2:4"`)."""
+    for name, value in settings.items():
+        field = model.model_fields.get(name)
+        if field is None or (name in text_forms and isinstance(value, str)):
+            continue
+        adapter: TypeAdapter[Any] = TypeAdapter(field.rebuild_annotation())
+        try:
+            # TOML's values are JSON's (less dates), and pydantic's strict mode for JSON
+            # converts only a whole number to a float and a string to a path.
+            adapter.validate_json(json.dumps(value, default=str), strict=True)
+        except ValidationError as error:
+            # Other problems (a bound, a choice) are the model's to say, with the rest.
+            if any(problem["type"].endswith("_type") for problem in error.errors()):
+                raise usage_error(describe_validation_error(error, name)) from None
 
 
 def validated(model: type[Model], values: dict[str, Any]) -> Model:

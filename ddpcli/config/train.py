@@ -17,7 +17,6 @@ from typing import Annotated, Any, Literal, TypeVar, get_args
 
 from pydantic import (
     AfterValidator,
-    BaseModel,
     BeforeValidator,
     ConfigDict,
     Field,
@@ -28,6 +27,7 @@ from pydantic import (
 from ddpcli.archs import BUILTIN_ARCHS
 from ddpcli.config.common import (
     Backend,
+    CommandConfig,
     DatasetName,
     GpuList,
     Membership,
@@ -35,6 +35,7 @@ from ddpcli.config.common import (
     RdzvBackend,
     check_membership,
     check_node_rank,
+    check_strict_types,
     from_comma_text,
     given,
     nproc_spec,
@@ -80,7 +81,7 @@ BUILTIN_NET_LR = 0.2
 ADAMW_LR = 1e-3
 # What each optimiser uses unless the flags or the recipe say otherwise.
 OPTIMIZER_DEFAULTS: dict[str, dict[str, Any]] = {
-    "sgd": {"lr_scaling": "linear", "weight_decay": 5e-4},
+    "sgd": {"lr_scaling": "linear", "weight_decay": 5e-4, "momentum": 0.9},
     "adamw": {"lr_scaling": "sqrt", "weight_decay": 0.05, "betas": [0.9, 0.999]},
 }
 
@@ -163,10 +164,10 @@ Betas = Annotated[
 ModelArgs = Annotated[dict[str, Any], BeforeValidator(parse_model_args)]
 
 
-class TrainConfig(Membership, BaseModel):
+class TrainConfig(Membership, CommandConfig):
     """Everything `ddpcli train` needs. Field names are the flags with `_` for `-`."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(validate_assignment=True)
 
     # data
     # A built-in set's name, or the user's own factory (`pkg.module:factory`).
@@ -225,7 +226,7 @@ class TrainConfig(Membership, BaseModel):
     # None below: the optimiser's default (OPTIMIZER_DEFAULTS), filled in with it.
     lr_scaling: LrScaling | None = None
     optimizer: Optimizer = "sgd"
-    momentum: float = Field(0.9, ge=0, lt=1)
+    momentum: float | None = Field(None, ge=0, lt=1)  # SGD's; None with AdamW
     betas: Betas | None = None
     weight_decay: float | None = Field(None, ge=0)
     warmup_epochs: float = Field(1.0, ge=0)
@@ -260,6 +261,11 @@ class TrainConfig(Membership, BaseModel):
     gpu0_batch: int | None = Field(None, ge=1)
     bucket_cap_mb: float = Field(
         25.0, gt=0, description="DDP gradient bucket size (MB): fewer, larger all-reduces"
+    )
+    find_unused_parameters: bool = Field(
+        False,
+        description="DDP: train a model whose loss leaves some parameters out (a branch not "
+        "taken); costs a walk of the autograd graph every step",
     )
     # multi-node
     nnodes: int = Field(1, ge=1)  # the most nodes; `--nnodes MIN:MAX` sets both
@@ -362,8 +368,8 @@ class TrainConfig(Membership, BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _optimizer_defaults(cls, data: Any) -> Any:
-        """--lr-scaling, --weight-decay and --betas default to the optimiser's values; an
-        unknown optimiser is left for the field's own check to name."""
+        """--lr-scaling, --weight-decay, --momentum (SGD) and --betas (AdamW) default to the
+        optimiser's values; an unknown optimiser is left for the field's own check to name."""
         if not isinstance(data, dict):
             return data
         defaults = OPTIMIZER_DEFAULTS.get(data.get("optimizer") or "sgd", {})
@@ -390,6 +396,11 @@ class TrainConfig(Membership, BaseModel):
             raise ValueError(f"invalid --data-dir: --dataset {self.dataset} needs --data-dir DIR")
         if self.betas is not None and self.optimizer != "adamw":
             raise ValueError("invalid --betas: they are AdamW's; add --optimizer adamw")
+        if self.momentum is not None and self.optimizer != "sgd":
+            raise ValueError(
+                "invalid --momentum: it is SGD's; AdamW's momentum is its --betas (drop "
+                "--momentum, or use --optimizer sgd)"
+            )
         if self.reset_head and self.init_from is None:
             raise ValueError("invalid --reset-head: it applies to the weights of --init-from PATH")
         if self.custom_dataset and self.data_path == "device":
@@ -507,6 +518,10 @@ class TrainConfig(Membership, BaseModel):
     @property
     def resolved_lr_scaling(self) -> LrScaling:
         return _resolved(self.lr_scaling, "lr_scaling")
+
+    @property
+    def resolved_momentum(self) -> float:
+        return _resolved(self.momentum, "momentum")
 
     @property
     def resolved_weight_decay(self) -> float:
@@ -651,7 +666,9 @@ def build_train_config(
     from_pod, pod_origins = pod_defaults(env, train_nproc_settings)
     from_recipe = load_recipe(recipe) if recipe else {}
     from_flags = given(flags)
-    values = {**from_pod, **without_overridden(from_recipe, from_flags), **from_flags}
+    kept = without_overridden(from_recipe, from_flags)
+    values = {**from_pod, **kept, **from_flags}
+    recipe_in_effect = {name: value for name, value in kept.items() if name not in from_flags}
     if "precision_reason" in values:
         raise usage_error("precision_reason is not a setting; the run states why it chose one")
     if "requested_accumulate" in values:
@@ -669,6 +686,8 @@ def build_train_config(
     if env.get(SLOW_DATA_VARIABLE):
         values.setdefault("slow_data", parse_slow_data(env[SLOW_DATA_VARIABLE]))
     try:
+        # A flag's type is Typer's to check; a recipe's, as strictly, here.
+        check_strict_types(TrainConfig, recipe_in_effect, text_forms=("nnodes",))
         return validated(TrainConfig, values)
     except DdpcliError as error:
         overridden = {**from_recipe, **from_flags}

@@ -15,7 +15,7 @@ same box, in relative coordinates, from the stored resample of the whole image.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -73,24 +73,34 @@ STREAM_AUTO_AUGMENT, STREAM_ERASE, STREAM_MIXING = 101, 102, 103
 
 
 def stream_seeds(seed: int, epoch: int, indices: torch.Tensor, stream: int) -> list[int]:
-    """One non-negative 63-bit seed per index for STREAM: what seeds torch's generator
-    around a torchvision transform, so its draws are a pure function of (seed, epoch, index)."""
+    """One non-negative 63-bit seed per index for STREAM: what seeds the private generator
+    a key's torchvision-style draws come from, a pure function of (seed, epoch, index)."""
     offset = _signed((stream * 0x9E3779B97F4A7C15) & _MASK64)  # int64 wraps as uint64 would
     hashes = _mix(sample_hash(seed, epoch, indices.cpu()) + offset)
     return (hashes & ((1 << 63) - 1)).tolist()
 
 
-def each_image_seeded(
-    images: torch.Tensor, seeds: list[int], transform: Callable[[torch.Tensor], torch.Tensor]
-) -> torch.Tensor:
-    """TRANSFORM on each image alone, torch's generator seeded from its entry in SEEDS, and
-    the caller's generator state left as it was: on a batch, torchvision would draw once."""
-    with torch.random.fork_rng(devices=[]):
-        transformed = []
-        for image, image_seed in zip(images, seeds, strict=True):
-            torch.manual_seed(image_seed)
-            transformed.append(transform(image))
-    return torch.stack(transformed)
+def stream_generators(
+    seed: int, epoch: int, indices: torch.Tensor, stream: int
+) -> Iterator[torch.Generator]:
+    """A CPU generator per index, seeded from stream_seeds (one object, reseeded: draw from
+    each before taking the next). It yields the numbers torch's global generator would after
+    torch.manual_seed of the same seed, without touching it: torch.manual_seed reseeds every
+    GPU's generator as well, and dropout's stream would restart from the data each batch."""
+    generator = torch.Generator()
+    for key_seed in stream_seeds(seed, epoch, indices, stream):
+        yield generator.manual_seed(key_seed)
+
+
+def host_to_device(values: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A batch's draws, made on the host, on DEVICE without waiting for it: from pinned
+    memory a copy is queued behind the step running, where one from pageable memory
+    blocks the host until the device has caught up."""
+    if device.type == "cpu":
+        return values
+    if device.type == "cuda":
+        values = values.pin_memory()
+    return values.to(device, non_blocking=True)
 
 
 def _unit_pair(words: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

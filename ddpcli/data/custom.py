@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from ddpcli.config import TrainConfig
+from ddpcli.data.decode import as_rgb, to_tensor
 from ddpcli.data.layout import Augment
 from ddpcli.data.loader import KeyedImages
 from ddpcli.data.sets import centre_view
@@ -119,12 +120,13 @@ def as_uint8_image(image: Any, where: str) -> torch.Tensor:
     from PIL import Image
 
     if isinstance(image, Image.Image):
-        from torchvision.transforms.v2.functional import pil_to_tensor
-
-        return pil_to_tensor(image.convert("RGB"))
+        try:
+            return to_tensor(as_rgb(image))  # as an image file's pixels: 16-bit grey scaled
+        except ValueError as error:
+            raise BadItem(f"invalid {FLAG}: {where}'s image: {first_line(error)}") from None
     if isinstance(image, torch.Tensor) and image.ndim == 3 and image.shape[0] in (1, 3):
-        if image.dtype.is_floating_point:  # in [0, 1], as ToTensor makes them
-            image = (image.clamp(0, 1) * 255).round().to(torch.uint8)
+        if image.dtype.is_floating_point:
+            image = float_as_uint8(image, where)
         if image.dtype == torch.uint8:
             return image.expand(3, -1, -1) if image.shape[0] == 1 else image
     shown = (
@@ -136,6 +138,24 @@ def as_uint8_image(image: Any, where: str) -> torch.Tensor:
         f"invalid {FLAG}: {where}'s image must be a PIL image or a (3, H, W) tensor, uint8 or "
         f"float in [0, 1]; it is {shown}"
     )
+
+
+# A float image's values may pass [0, 1] by this much: resampling (bicubic, antialiased)
+# overshoots at sharp edges. Images in 0..255, or normalised, go far beyond it.
+FLOAT_OVERSHOOT = 0.1
+
+
+def float_as_uint8(image: torch.Tensor, where: str) -> torch.Tensor:
+    """Floats in [0, 1], as ToTensor makes them, to uint8. Any other range (0..255, or
+    already normalised) is refused naming the range seen: clipped, it trained on white."""
+    low, high = image.min().item(), image.max().item()
+    if not -FLOAT_OVERSHOOT <= low <= high <= 1 + FLOAT_OVERSHOOT:
+        raise BadItem(
+            f"invalid {FLAG}: {where}'s image holds floats from {low:.3g} to {high:.3g}, not in "
+            "[0, 1]: return ToTensor's floats in [0, 1] or uint8 pixels, not normalised (ddpcli "
+            "normalises)"
+        )
+    return (image.clamp(0, 1) * 255).round().to(torch.uint8)
 
 
 def checked_label(label: Any, num_classes: int, where: str) -> int:

@@ -70,13 +70,46 @@ def as_rgb(image: Image) -> Image:
     grey repeated, CMYK converted without a colour profile, alpha (RGBA, LA, a palette's
     transparency) dropped, not composited. A palette with transparency goes through RGBA,
     which gives the same pixels without PIL's warning. An RGB image is used as it is
-    (convert would copy it)."""
+    (convert would copy it). Grey deeper than 8 bits is scaled from its own range, where
+    PIL would clip it at 255 (`as_8_bit_grey`)."""
     if image.mode == "RGB":
         image.load()
         return image
     if image.mode == "P" and "transparency" in image.info:
         return image.convert("RGBA").convert("RGB")
+    if image.mode in WIDE_GREY_MODES:
+        return as_8_bit_grey(image).convert("RGB")
     return image.convert("RGB")
+
+
+# 16-bit grey (PNG, TIFF: I;16 and its byte orders), and PIL's 32-bit integer and float grey.
+WIDE_GREY_MODES = ("I;16", "I;16B", "I;16L", "I;16N", "I", "F")
+SIXTEEN_BIT_MAX = 65535
+
+
+def as_8_bit_grey(image: Image) -> Image:
+    """Mode L from a grey image deeper than 8 bits. PIL's own conversion clips at 255, so a
+    16-bit image turned white: 16-bit pixels are scaled from 0..65535 instead. I and F hold
+    no depth of their own: values within 0..255 are taken as PIL takes them, integers up to
+    65535 as 16 bits (older Pillow opens 16-bit PNGs as I); anything else is refused
+    (ValueError: `opened` names the file), never clipped."""
+    import numpy as np
+    from PIL import Image as PILImage
+
+    values = np.asarray(image)  # PIL's getextrema does not take I;16B
+    low, high = values.min().item(), values.max().item()
+    sixteen_bits = image.mode.startswith("I;16") or (image.mode == "I" and high > 255)
+    top = SIXTEEN_BIT_MAX if sixteen_bits else 255
+    if low < 0 or high > top:
+        raise ValueError(
+            f"its {image.mode} pixels run from {low:g} to {high:g}, outside 0..{top}; save it "
+            "with 8 or 16 bits per channel"
+        )
+    if not sixteen_bits:
+        return image.convert("L")
+    wide = values.astype(np.uint32)
+    scaled = (wide * 255 + SIXTEEN_BIT_MAX // 2) // SIXTEEN_BIT_MAX  # rounded to nearest
+    return PILImage.fromarray(scaled.astype(np.uint8))  # 2-D uint8: mode L
 
 
 def to_tensor(image: Image) -> torch.Tensor:

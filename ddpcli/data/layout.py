@@ -6,6 +6,8 @@ are validated at, and what `--augment auto` means for each set.
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal
 
@@ -48,27 +50,42 @@ def stl10_present(data_dir: Path) -> bool:
 # --- Image folders (ImageNet layout) ----------------------------------------------------
 
 
+def hidden(name: str) -> bool:
+    """`.ipynb_checkpoints/`, `.git/`, macOS's `._photo.jpg`: never a class, never an image.
+    (torchvision's ImageFolder takes hidden folders for classes.)"""
+    return name.startswith(".")
+
+
 def folder_classes(split_dir: Path) -> list[str]:
-    return sorted(entry.name for entry in split_dir.iterdir() if entry.is_dir())
+    return sorted(
+        entry.name for entry in split_dir.iterdir() if entry.is_dir() and not hidden(entry.name)
+    )
+
+
+def is_image_name(name: str) -> bool:
+    return not hidden(name) and Path(name).suffix.lower() in IMAGE_SUFFIXES
+
+
+def images_under(folder: Path) -> Iterator[Path]:
+    """The image files in FOLDER and its sub-folders, hidden ones left out, as found (not
+    sorted): a caller that stops at the first reads no more of the folder."""
+    for root, folders, files in os.walk(folder, followlinks=True):
+        folders[:] = [name for name in folders if not hidden(name)]
+        yield from (Path(root, name) for name in files if is_image_name(name))
 
 
 def folder_samples(split_dir: Path, classes: list[str]) -> list[Sample]:
-    samples = []
+    samples: list[Sample] = []
     for label, name in enumerate(classes):
         class_dir = split_dir / name
-        if not class_dir.is_dir():
-            continue
-        for path in sorted(class_dir.rglob("*")):
-            if path.suffix.lower() in IMAGE_SUFFIXES:
-                samples.append((path, label))
+        if class_dir.is_dir():
+            samples.extend((path, label) for path in sorted(images_under(class_dir)))
     return samples
 
 
 def holds_images(folder: Path) -> bool:
     """Stops at the first image: cheap on a folder of any size."""
-    return folder.is_dir() and any(
-        path.suffix.lower() in IMAGE_SUFFIXES for path in folder.rglob("*")
-    )
+    return folder.is_dir() and next(images_under(folder), None) is not None
 
 
 def listed(names: list[str], limit: int = 5) -> str:
@@ -92,7 +109,7 @@ def check_imagefolder(data_dir: Path) -> list[str]:
         loose = sorted(
             entry.name
             for entry in split_dir.iterdir()
-            if entry.suffix.lower() in IMAGE_SUFFIXES and entry.is_file()
+            if is_image_name(entry.name) and entry.is_file()
         )
         if loose:
             raise usage_error(

@@ -246,7 +246,8 @@ class DataPipeline:
         return self.steps_per_epoch() * self.cfg.per_gpu_batch * self.ctx.world_size
 
     def describe_sizes(self) -> str:
-        """`4096 of 4097 train images per epoch (last partial batch dropped) / 1025 val`."""
+        """`4096 of 4097 train images per epoch (last partial batch dropped) / 1025 val images
+        · 10 classes`: a stray folder taken for a class shows in the count."""
         trained, size = self.images_per_epoch(), self.train_size
         if trained < size:
             train = f"{trained} of {size} train images per epoch (last partial batch dropped)"
@@ -258,7 +259,7 @@ class DataPipeline:
         if self.cfg.ra_reps > 1:  # the epoch keeps its length: fewer images, repeated
             reps = self.cfg.ra_reps
             train += f" (--ra-reps {reps}: about {trained // reps} distinct, each on {reps} ranks)"
-        return f"{train} / {self.val_size} val images"
+        return f"{train} / {self.val_size} val images · {self.splits.num_classes} classes"
 
     def describe_rest(self, epoch: int, start: int) -> str:
         """`epoch 1: 36 of 96 samples trained before the resume; the other 60 dealt over 2

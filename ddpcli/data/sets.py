@@ -6,6 +6,7 @@ folders; and the checks that run before any worker starts.
 from __future__ import annotations
 
 import hashlib
+import os
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ from ddpcli.data.layout import (
     Sample,
     check_imagefolder,
     folder_samples,
+    listed,
     resize_side,
     stl10_dir,
     stl10_missing,
@@ -32,7 +34,7 @@ from ddpcli.data.layout import (
     training_augment,
 )
 from ddpcli.dist import DistContext, all_gather_object, rank_zero_prepares
-from ddpcli.errors import usage_error
+from ddpcli.errors import USAGE, agreed_error, usage_error
 from ddpcli.files import atomic_save
 
 STL10_IMAGE_BYTES = 3 * STL10_SIDE * STL10_SIDE
@@ -246,6 +248,7 @@ def imagefolder_splits(
         if skip_bad_images:
             train, val, skipped = drop_unreadable(train, val, ctx)
         check_split_sizes(data_dir, len(train), len(val), skipped)
+        check_classes_kept(data_dir / "train", classes, [label for _, label in train], skipped)
         return FolderSplits(train, val, len(classes), classes, skipped)
     cache = folder_cache_path(data_dir, image_size, cache_dir, whole_train)
     with rank_zero_prepares(ctx, f"decode {data_dir} once into {cache}"):
@@ -272,17 +275,39 @@ def imagefolder_splits(
         read_rgb(Path(skipped[0]))  # raises UnreadableImage, saying why
         raise usage_error(f"{cache} lacks {skipped[0]}: delete the cache and start again")
     check_split_sizes(data_dir, len(train_set), len(val_set), skipped)
+    check_classes_kept(data_dir / "train", classes, train_set.labels.tolist(), skipped)
     return MemorySplits(train_set, val_set, len(classes), classes, skipped=skipped)
 
 
 def check_split_sizes(data_dir: Path, train: int, val: int, skipped: list[str]) -> None:
-    """--skip-bad-images must leave images to train and validate on."""
+    """--skip-bad-images must leave images to train and validate on. Every rank finds it
+    from the same files: said once."""
     for split, count in (("train", train), ("val", val)):
         if count == 0:
-            raise usage_error(
+            raise agreed_error(
                 f"no image in {data_dir / split} can be decoded ({len(skipped)} skipped, "
-                f"first {skipped[0] if skipped else 'none'}); check the files"
+                f"first {skipped[0] if skipped else 'none'}); check the files",
+                USAGE,
             )
+
+
+def check_classes_kept(
+    train_dir: Path, classes: list[str], train_labels: list[int], skipped: list[str]
+) -> None:
+    """--skip-bad-images must leave every training class an image, as the layout check
+    asks of a folder without it: a class with none would be trained on without a word."""
+    kept = set(train_labels)
+    emptied = [name for label, name in enumerate(classes) if label not in kept]
+    if not emptied:
+        return
+    folders = tuple(f"{train_dir / name}{os.sep}" for name in emptied)
+    theirs = [path for path in skipped if path.startswith(folders)]
+    raise agreed_error(
+        f"--skip-bad-images left no image in {train_dir}'s class{'es' if len(emptied) > 1 else ''} "
+        f"{listed(emptied)} ({len(theirs)} skipped, first {theirs[0] if theirs else 'none'}); "
+        "fix those files, or remove the class folder",
+        USAGE,
+    )
 
 
 def is_readable(path: Path) -> bool:
