@@ -72,7 +72,7 @@ def run_ddpcli(data: Path, args: argparse.Namespace, seed: int, precision: str, 
 
 def native_bf16_line() -> str:
     sys.path.insert(0, str(ROOT))
-    from ddpcli.precision import native_cpu_bf16
+    from ddpcli.training.precision import native_cpu_bf16
 
     feature = native_cpu_bf16()
     if feature:

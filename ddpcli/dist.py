@@ -233,7 +233,7 @@ def wait_for_rank_zero(
 
 def leave_with_rank_zero(store: dist.Store, key: str, ctx: DistContext, what: str) -> NoReturn:
     """Rank 0 failed to prepare and says why itself; this rank's failure is a consequence
-    (ddpcli.worker ends it quietly). No stack on the agent's SIGTERM from here on: rank 0
+    (ddpcli.training.worker ends it quietly). No stack on the agent's SIGTERM from here on: rank 0
     leaves once every waiting rank has answered, and the agent then stops them all."""
     faulthandler.unregister(signal.SIGTERM)
     with contextlib.suppress(RuntimeError, dist.DistError):

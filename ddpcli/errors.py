@@ -42,8 +42,9 @@ PEER_LOST = ("closed by peer", "reset by peer", "Broken pipe", "remote process e
 TIMED_OUT = ("Timed out", "timed out", "Timeout", "timeout")
 
 
-# A survivor's word when the agent stopped it because another rank failed (ddpcli.stopping),
-# followed by where it was: " while waiting at PLACE" (in a collective) or " while busy at PLACE".
+# A survivor's word when the agent stopped it because another rank failed
+# (ddpcli.training.stopping), followed by where it was: " while waiting at PLACE" (in a
+# collective) or " while busy at PLACE".
 STOPPED_FOR_PEER = "stopped because another rank failed"
 
 

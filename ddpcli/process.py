@@ -101,7 +101,7 @@ def die_with_parent() -> None:
     """The elastic agent starts each worker in its own session, so when the agent itself is
     killed (SIGKILL, the OOM killer, a scheduler) nothing stops its workers, and they train
     on as orphans. Ask the kernel to kill this worker when its parent dies (the agent, or
-    the fork server, which ends with the agent: ddpcli.fork)."""
+    the fork server, which ends with the agent: ddpcli.launcher.fork)."""
     parent = os.environ.get(PARENT_PID_VARIABLE)
     if parent:
         die_with(int(parent))

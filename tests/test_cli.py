@@ -160,7 +160,7 @@ def test_launcher_checks_a_torchvision_arch_without_importing_torchvision():
 def test_known_arch_names_match_the_installed_torchvision_and_the_builtins():
     import torchvision
 
-    from ddpcli import archs, models
+    from ddpcli.training import archs, models
 
     installed = set(torchvision.models.list_models(module=torchvision.models))
     assert not archs.KNOWN_TORCHVISION_CLASSIFIERS - installed  # no name it lacks
@@ -198,7 +198,7 @@ def test_train_help_shows_each_default_and_the_choices():
     assert "[linear|sqrt|none]" in option_row(lines, "--lr-scaling")
     assert "[default: all GPUs, else 2 CPU processes]" in option_row(lines, "--gpus")
     assert "[default: no-cpu]" in option_row(lines, "--cpu")
-    from ddpcli import resolve  # the words for values the machine decides, kept in step
+    from ddpcli.launcher import resolve  # the words for values the machine decides, kept in step
 
     sizes = resolve.NATIVE_IMAGE_SIZE
     folder = resolve.IMAGEFOLDER_SIZE
@@ -276,7 +276,7 @@ def test_a_no_flag_overrides_a_recipe_true(tmp_path, monkeypatch):
 
     for name in LAUNCHER_VARIABLES:
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr("ddpcli.resolve.physical_gpu_count", lambda: 2)  # a GPU machine
+    monkeypatch.setattr("ddpcli.launcher.resolve.physical_gpu_count", lambda: 2)  # a GPU machine
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)  # whose GPUs torch can use
     recipe = tmp_path / "r.toml"
     recipe.write_text("[train]\ncpu = true\ncompile = true\n")
@@ -361,7 +361,7 @@ def test_a_flag_overrides_the_recipe_side_of_an_exclusion(tmp_path, monkeypatch)
 
     for name in LAUNCHER_VARIABLES:
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr("ddpcli.resolve.physical_gpu_count", lambda: 2)  # a GPU machine
+    monkeypatch.setattr("ddpcli.launcher.resolve.physical_gpu_count", lambda: 2)  # a GPU machine
     monkeypatch.setattr("ddpcli.machine.physical_gpu_count", lambda: 2)
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)  # whose GPUs torch can use
     recipe = tmp_path / "r.toml"

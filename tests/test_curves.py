@@ -12,9 +12,9 @@ from conftest import LiveProcess, clean_env, ctrl_c_after, run_cli
 from typer.testing import CliRunner
 
 from ddpcli.cli import app
-from ddpcli.curves import choose_panels, read_run
 from ddpcli.errors import DdpcliError
-from ddpcli.steplog import StepLog, read_rows
+from ddpcli.runs.curves import choose_panels, read_run
+from ddpcli.runs.steplog import StepLog, read_rows
 
 PNG_HEADER = b"\x89PNG\r\n\x1a\n"
 # 256 images, 2 ranks, 16 per rank: 8 steps per epoch.
@@ -230,7 +230,7 @@ def test_ctrl_c_leaves_readable_steps_and_a_picture(tmp_path):
 
 
 def test_tensorboard_missing_exits_2_saying_how_to_install_it(monkeypatch, tmp_path):
-    monkeypatch.setattr("ddpcli.resolve.tensorboard_installed", lambda: False)
+    monkeypatch.setattr("ddpcli.launcher.resolve.tensorboard_installed", lambda: False)
     args = ["train", "--cpu", "--tensorboard", "--dry-run", "--out", str(tmp_path / "r")]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 2

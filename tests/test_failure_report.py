@@ -15,7 +15,9 @@ HOST = socket.gethostname()
 # What each rank's RuntimeError said.
 TIMED_OUT = "[../gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 5000ms"
 LOST = "[../gloo/transport/tcp/pair.cc:561] Connection closed by peer [10.0.0.2]:4803"
-WAITING = f"{STOPPED_FOR_PEER} while waiting at ddpcli/train.py:120 in step(): loss.backward()"
+WAITING = (
+    f"{STOPPED_FOR_PEER} while waiting at ddpcli/training/train.py:120 in step(): loss.backward()"
+)
 BUSY = f"{STOPPED_FOR_PEER} while busy at ddpcli/data/loader.py:88 in __iter__(): next(it)"
 
 
@@ -41,7 +43,7 @@ def failure(tmp_path, monkeypatch):
 
 
 def report(failed) -> list[str]:
-    from ddpcli.failure_report import describe_failure
+    from ddpcli.launcher.failure_report import describe_failure
 
     return describe_failure(failed, timeout_s=5).message.splitlines()
 
@@ -67,7 +69,8 @@ def test_a_node_that_only_suffered_says_where_its_stopped_ranks_were(failure):
     lines = report(failure(ranks))
     assert lines[0] == f"rank 4 on {HOST} stopped first: exit code 1 (then ranks 5, 6, 7 stopped)"
     assert lines[-2:] == [
-        "  when stopped, ranks 5, 7 were at ddpcli/train.py:120 in step(): loss.backward()",
+        "  when stopped, ranks 5, 7 were at ddpcli/training/train.py:120 in step(): "
+        "loss.backward()",
         "  when stopped, rank 6 was at ddpcli/data/loader.py:99 in __iter__(): next(it)",
     ]
 
@@ -82,7 +85,7 @@ def test_a_rank_that_failed_of_itself_is_named_without_the_places(failure):
 
 def test_on_one_node_a_rank_that_ended_early_is_named_not_another_node(failure):
     """Rank 1 called sys.exit(0): the agent reports only rank 0, which lost it (34.22)."""
-    from ddpcli.failure_report import describe_failure
+    from ddpcli.launcher.failure_report import describe_failure
 
     lines = describe_failure(failure({0: (1, LOST)}), world_size=2).message.splitlines()
     assert lines[0].startswith(f"rank 1 on {HOST} ended early: its script finished (returned")
@@ -91,7 +94,7 @@ def test_on_one_node_a_rank_that_ended_early_is_named_not_another_node(failure):
 
 
 def test_on_one_node_a_lost_peer_is_not_sent_to_another_node(failure):
-    from ddpcli.failure_report import describe_failure
+    from ddpcli.launcher.failure_report import describe_failure
 
     lines = describe_failure(failure({0: (1, LOST), 1: -signal.SIGTERM}), world_size=2).message
     assert "which most likely died first" in lines and "another node" not in lines
@@ -99,7 +102,7 @@ def test_on_one_node_a_lost_peer_is_not_sent_to_another_node(failure):
 
 def test_a_failed_round_in_a_line_and_the_attempts_counted(failure):
     """--max-restarts (34.26): the round's rank and its error, then every attempt counted."""
-    from ddpcli.failure_report import describe_failure, round_in_words
+    from ddpcli.launcher.failure_report import describe_failure, round_in_words
 
     failed = failure({0: (1, "ValueError: bad batch"), 1: -signal.SIGTERM})
     assert round_in_words(failed.failures) == (

@@ -50,11 +50,11 @@ def proc_args(pid: str) -> list[str]:
 def worker_rank(pid: str) -> int | None:
     """The global rank of a ddpcli worker, else None. A forked worker names itself
     "ddpcli rank N" (its command line is its launcher's); a worker started as a program
-    (`python -m ddpcli.worker`) carries the RANK the agent gave it in its environment."""
+    (`python -m ddpcli.training.worker`) carries the RANK the agent gave it in its environment."""
     name = (Path("/proc") / pid / "comm").read_text().strip()
     if name.startswith("ddpcli rank "):
         return int(name.removeprefix("ddpcli rank "))
-    if "ddpcli.worker" not in proc_args(pid):
+    if "ddpcli.training.worker" not in proc_args(pid):
         return None
     environ = (Path("/proc") / pid / "environ").read_bytes().split(b"\0")
     variables = dict(item.split(b"=", 1) for item in environ if b"=" in item)
@@ -243,8 +243,8 @@ def test_a_killed_ranks_loader_workers_die_with_it_and_its_peers_stop_at_once(tm
 # `ddpcli train` as a GPU job starts it: its workers run as programs, not forked.
 AS_PROGRAMS = """
 import sys
-import ddpcli.launch
-ddpcli.launch.forks_workers = lambda uses_gpus: False
+import ddpcli.launcher.launch
+ddpcli.launcher.launch.forks_workers = lambda uses_gpus: False
 from ddpcli.cli import main
 sys.argv[0] = "ddpcli"
 main()
@@ -517,7 +517,7 @@ def test_one_slurm_task_is_no_launcher():
 
 def test_a_rank_that_cannot_record_its_error_still_reports_one_line(monkeypatch, capsys):
     """A full disk while a rank records its traceback for the agent: no second stack."""
-    from ddpcli.worker import record_for_agent
+    from ddpcli.training.worker import record_for_agent
 
     monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", "/dev/full")  # every write: ENOSPC
     try:

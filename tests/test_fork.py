@@ -1,4 +1,4 @@
-"""Forked workers (ddpcli/fork.py): forked from a fork server that has no other thread (a
+"""Forked workers (ddpcli/launcher/fork.py): forked from a fork server that has no other thread (a
 child forked from the multi-threaded launcher could inherit a C library lock held for
 good), and elastic's function path made to behave as its program path does: each worker
 named, with the job's environment, stopped by SIGTERM as a program would be, and every
@@ -20,7 +20,7 @@ import pytest
 from torch.distributed.elastic import multiprocessing as elastic_mp
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 
-from ddpcli.fork import (
+from ddpcli.launcher.fork import (
     fork_server,
     fork_server_pid,
     forks_workers,

@@ -17,12 +17,13 @@ from conftest import clean_env, run_cli
 from torch import nn
 
 from ddpcli import dist as dist_module
-from ddpcli import resolve, strategy, train, worker
 from ddpcli.config import TrainConfig
 from ddpcli.data import device, pipeline, sets
 from ddpcli.dist import DistContext
 from ddpcli.environments import LauncherEnv
 from ddpcli.errors import DdpcliError
+from ddpcli.launcher import resolve
+from ddpcli.training import strategy, train, worker
 
 META = torch.device("meta")  # a device that is not the host: every copy to it is visible
 

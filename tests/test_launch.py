@@ -487,8 +487,8 @@ def test_torchrun_flags_that_make_sense_are_taken():
     from torch.distributed.elastic.multiprocessing import Std
 
     from ddpcli.config.launch import build_launch_config
-    from ddpcli.launch import launch_config
-    from ddpcli.scriptlaunch import script_job
+    from ddpcli.launcher.launch import launch_config
+    from ddpcli.launcher.scriptlaunch import script_job
 
     flags = {
         "target": "train.py", "nproc": "2", "rdzv_conf": "timeout=40,read_timeout=70",
@@ -715,8 +715,8 @@ def test_a_workers_child_that_ignores_signals_is_ended(tmp_path):
     ("visible", "expected"), [(None, list(range(8))), ("2,5", [2, 5]), ("-1", None)]
 )
 def test_without_nproc_launch_starts_one_process_per_granted_gpu(monkeypatch, visible, expected):
-    from ddpcli import scriptlaunch
     from ddpcli.config.launch import build_launch_config
+    from ddpcli.launcher import scriptlaunch
 
     monkeypatch.setattr(scriptlaunch, "physical_gpu_count", lambda: 8)
     if visible is None:

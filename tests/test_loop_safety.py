@@ -98,8 +98,8 @@ def test_non_finite_weights_are_never_saved(tmp_path, bad):
     from test_speed_paths import context, pipeline, tiny_config
 
     from ddpcli.errors import DdpcliError
-    from ddpcli.train import Trainer
-    from ddpcli.worker import finalize_for_device
+    from ddpcli.training.train import Trainer
+    from ddpcli.training.worker import finalize_for_device
 
     ctx = context()
     cfg = finalize_for_device(tiny_config(tmp_path, synthetic_size=32), ctx)
@@ -120,8 +120,8 @@ def in_process_trainer(tmp_path: Path, **overrides):
     """One CPU rank without a process group: the Trainer exactly as a worker builds it."""
     from test_speed_paths import context, pipeline, tiny_config
 
-    from ddpcli.train import Trainer
-    from ddpcli.worker import finalize_for_device
+    from ddpcli.training.train import Trainer
+    from ddpcli.training.worker import finalize_for_device
 
     ctx = context()
     cfg = finalize_for_device(tiny_config(tmp_path, **overrides), ctx)
@@ -257,7 +257,7 @@ def test_a_max_steps_stop_inside_an_epoch_records_the_measured_images_per_sec(tm
 
 def test_a_rate_that_was_not_measured_is_shown_as_none_not_zero():
     from ddpcli.dist import DistContext
-    from ddpcli.train import StepTimer
+    from ddpcli.training.train import StepTimer
 
     ctx = DistContext(0, 0, 1, 1, 0, torch.device("cpu"), "gloo")
     timer = StepTimer(torch.device("cpu"), planned_steps=8)

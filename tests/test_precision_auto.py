@@ -10,8 +10,8 @@ from test_speed_paths import train_in_process
 
 from ddpcli.config import build_train_config
 from ddpcli.errors import DdpcliError
-from ddpcli.precision import native_cpu_bf16
-from ddpcli.resolve import resolve_train_config
+from ddpcli.launcher.resolve import resolve_train_config
+from ddpcli.training.precision import native_cpu_bf16
 
 
 def resolve(tmp_path, **flags):
@@ -21,12 +21,12 @@ def resolve(tmp_path, **flags):
 
 @pytest.fixture
 def bf16_cpu(monkeypatch):
-    monkeypatch.setattr("ddpcli.resolve.native_cpu_bf16", lambda: "AMX-BF16")
+    monkeypatch.setattr("ddpcli.launcher.resolve.native_cpu_bf16", lambda: "AMX-BF16")
 
 
 @pytest.fixture
 def plain_cpu(monkeypatch):
-    monkeypatch.setattr("ddpcli.resolve.native_cpu_bf16", lambda: None)
+    monkeypatch.setattr("ddpcli.launcher.resolve.native_cpu_bf16", lambda: None)
 
 
 @pytest.mark.parametrize("arch", ["tinycnn", "smallcnn", "resnet18", "vit_b_16"])

@@ -11,7 +11,6 @@ from types import SimpleNamespace
 
 import pytest
 
-from ddpcli import launch, rollcall
 from ddpcli.checkenv import probe, probe_ranks, probe_rows
 from ddpcli.checkenv.facts import Gpu, Master, NodeFacts
 from ddpcli.checkenv.probe_plan import (
@@ -27,7 +26,8 @@ from ddpcli.checkenv.probe_plan import (
 from ddpcli.checkenv.probe_ranks import LocalRank
 from ddpcli.config.checkenv import CheckEnvOptions, build_check_options
 from ddpcli.errors import DdpcliError
-from ddpcli.rollcall import MasterUnreachable, NodeZeroGaveUp, RollCall
+from ddpcli.launcher import launch, rollcall
+from ddpcli.launcher.rollcall import MasterUnreachable, NodeZeroGaveUp, RollCall
 
 LOCAL_MASTER = Master("127.0.0.1", 29500, "127.0.0.1", True, "lo")
 REMOTE_MASTER = Master("10.0.0.1", 29500, "10.0.0.1", False, "eth0")

@@ -24,9 +24,9 @@ from ddpcli.data.autoaugment import auto_augment_images, policy_transform
 from ddpcli.data.erasing import erase_images
 from ddpcli.data.mixing import BatchMixing
 from ddpcli.data.ra_sampler import repeated_shard
-from ddpcli.ema import WeightAverage, adjusted_decay, slow_average_warning
-from ddpcli.models import TinyCNN
-from ddpcli.param_groups import weight_decay_groups
+from ddpcli.training.ema import WeightAverage, adjusted_decay, slow_average_warning
+from ddpcli.training.models import TinyCNN
+from ddpcli.training.param_groups import weight_decay_groups
 
 # --- Mixup / CutMix -------------------------------------------------------------------------
 
@@ -184,7 +184,7 @@ SYNC_BN_RANKS = """
 import os, sys, torch, torch.distributed as dist
 from torch import nn
 from torch.multiprocessing import start_processes
-from ddpcli.syncbn import convert_sync_batchnorm
+from ddpcli.training.syncbn import convert_sync_batchnorm
 
 def rank_main(rank, out, port):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,

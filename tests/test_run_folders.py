@@ -18,8 +18,8 @@ from test_faults import SHORT_RUN, TINY, Background, assert_no_worker_left, chil
 from ddpcli.config import TrainConfig
 from ddpcli.environments import LauncherEnv, restarted_by
 from ddpcli.errors import DdpcliError
-from ddpcli.resources import capacity_warnings
-from ddpcli.runfolder import (
+from ddpcli.launcher.resources import capacity_warnings
+from ddpcli.runs.runfolder import (
     RunFolderLock,
     claim_run_folder,
     continue_after_requeue,
@@ -247,7 +247,7 @@ def test_a_long_tmpdir_still_trains_and_a_loader_that_cannot_work_in_it_exits_2(
 
 
 def test_more_processes_than_cores_and_memory_get_a_warning_with_the_arithmetic(monkeypatch):
-    monkeypatch.setattr("ddpcli.resources.cpu_count", lambda: 2)
+    monkeypatch.setattr("ddpcli.launcher.resources.cpu_count", lambda: 2)
     cfg = config(Path("out"), nproc=64)
     cores, memory = capacity_warnings(cfg, available_bytes=8e9)
     assert "64 processes on 2 core(s)" in cores and "(2 / 64)" in cores
@@ -266,8 +266,8 @@ def test_the_warning_comes_before_launch(tmp_path, monkeypatch):
 
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID"):
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr("ddpcli.launch.run_workers", no_launch)
-    monkeypatch.setattr("ddpcli.resources.cpu_count", lambda: 2)
+    monkeypatch.setattr("ddpcli.launcher.launch.run_workers", no_launch)
+    monkeypatch.setattr("ddpcli.launcher.resources.cpu_count", lambda: 2)
     result = CliRunner().invoke(
         app, ["train", "--cpu", "--nproc", "64", "--arch", "tinycnn", "--out", str(tmp_path)]
     )

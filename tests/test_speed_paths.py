@@ -14,10 +14,10 @@ from ddpcli.data.pipeline import IMAGENET_MEAN, DataPipeline
 from ddpcli.data.sets import load_splits
 from ddpcli.dist import DistContext
 from ddpcli.errors import DdpcliError
-from ddpcli.resolve import resolve_train_config
-from ddpcli.strategy import balanced_split, dataparallel_split
-from ddpcli.train import Trainer
-from ddpcli.worker import finalize_for_device
+from ddpcli.launcher.resolve import resolve_train_config
+from ddpcli.training.strategy import balanced_split, dataparallel_split
+from ddpcli.training.train import Trainer
+from ddpcli.training.worker import finalize_for_device
 
 TINY = ["--arch", "tinycnn", "--image-size", "16", "--per-gpu-batch", "16"]
 
@@ -162,10 +162,10 @@ def train_in_process(cfg: TrainConfig) -> tuple[Trainer, dict]:
 
 
 def test_precision_auto_on_the_cpu_asks_the_processor(monkeypatch):
-    monkeypatch.setattr("ddpcli.worker.native_cpu_bf16", lambda: None)
+    monkeypatch.setattr("ddpcli.training.worker.native_cpu_bf16", lambda: None)
     cfg = finalize_for_device(TrainConfig(cpu=True, arch="tinycnn"), context())
     assert cfg.precision == "fp32" and cfg.backend == "gloo"
-    monkeypatch.setattr("ddpcli.worker.native_cpu_bf16", lambda: "AVX512_BF16")
+    monkeypatch.setattr("ddpcli.training.worker.native_cpu_bf16", lambda: "AVX512_BF16")
     cfg = finalize_for_device(TrainConfig(cpu=True, arch="tinycnn"), context())
     assert cfg.precision == "bf16" and "AVX512_BF16" in cfg.precision_reason
 
@@ -273,7 +273,7 @@ def test_strategies_on_two_gpus(tmp_path, strategy):
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_balanced_scatter_puts_gpu0_share_on_gpu0():
-    from ddpcli.strategy import BalancedDataParallel
+    from ddpcli.training.strategy import BalancedDataParallel
 
     model = BalancedDataParallel(2, torch.nn.Identity().cuda(), device_ids=[0, 1])
     pieces, kwargs = model.scatter((torch.arange(8.0, device="cuda:0"),), {}, [0, 1])

@@ -28,10 +28,10 @@ from ddpcli.config import BarrierConfig
 from ddpcli.dist import DistContext, init_distributed, shutdown
 from ddpcli.environments import LauncherEnv, read_launcher_env
 from ddpcli.errors import DdpcliError, usage_error
-from ddpcli.fork import forks_workers
-from ddpcli.launch import BARRIER_WORKER_MODULE, WorkerJob, run_workers, worker_environment
+from ddpcli.launcher.fork import forks_workers
+from ddpcli.launcher.launch import BARRIER_WORKER_MODULE, WorkerJob, run_workers, worker_environment
+from ddpcli.launcher.resolve import check_torch_sees_gpus
 from ddpcli.machine import check_gpu_indices, cpu_count
-from ddpcli.resolve import check_torch_sees_gpus
 
 RESULT_FILE = "result.json"
 

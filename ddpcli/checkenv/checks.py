@@ -21,9 +21,9 @@ from ddpcli.config.checkenv import DEFAULT_MASTER_PORT, CheckEnvOptions
 from ddpcli.config.train import build_train_config
 from ddpcli.environments.pods import pet_variables
 from ddpcli.errors import DdpcliError, first_line
+from ddpcli.launcher.resolve import gpus_torch_cannot_use
 from ddpcli.machine import check_interface
 from ddpcli.process import ROOM_FOR_TMPDIR, multiprocessing_sockets_fit
-from ddpcli.resolve import gpus_torch_cannot_use
 
 
 def run_checks(options: CheckEnvOptions) -> Report:

@@ -15,7 +15,7 @@ from ddpcli.checkenv.network import (
 )
 from ddpcli.checkenv.report import Row, fail, ok, warn
 from ddpcli.config.checkenv import CheckEnvOptions, is_loopback
-from ddpcli.rollcall import CONNECT_TIMEOUT_S, try_connect
+from ddpcli.launcher.rollcall import CONNECT_TIMEOUT_S, try_connect
 
 # --- Checks: interfaces, host name, master --------------------------------------------------
 

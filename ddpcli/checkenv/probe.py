@@ -3,7 +3,7 @@
 
 The parent (check-env on each node) plays the part of torchrun's agent: node 0's parent hosts
 the rendezvous store on the master port and every node's parent answers a roll call on it
-(ddpcli.rollcall), so a node that never comes is named. Each parent then runs its local
+(ddpcli.launcher.rollcall), so a node that never comes is named. Each parent then runs its local
 ranks (probe_ranks: `python -m ddpcli.checkenv.probe_worker REQUEST`), which join the
 process group through that store, run the stages and log each one as it ends. The parents
 swap their ranks' outcomes through the store, so that every node reports every rank.
@@ -35,7 +35,7 @@ from ddpcli.checkenv.probe_rows import (
 from ddpcli.checkenv.report import Row, fail, ok
 from ddpcli.config.checkenv import CheckEnvOptions
 from ddpcli.errors import first_line
-from ddpcli.rollcall import NotAStore, RollCall, open_store
+from ddpcli.launcher.rollcall import NotAStore, RollCall, open_store
 
 if TYPE_CHECKING:
     from torch.distributed import Store, TCPStore

@@ -9,7 +9,7 @@ import re
 from ddpcli.checkenv.facts import PROBE_TAG_VARIABLE
 from ddpcli.checkenv.probe_plan import BARRIER_ITERATIONS, STAGES
 from ddpcli.checkenv.report import FAIL, WARN, Row, fail, ok, warn
-from ddpcli.rollcall import describe_values, disagreements, group_labels
+from ddpcli.launcher.rollcall import describe_values, disagreements, group_labels
 
 STAGE_TITLES = {
     "start": "worker start",

@@ -74,7 +74,9 @@ class TrainingParts:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     scaler: torch.amp.GradScaler
-    ema: Any = None  # ddpcli.ema.WeightAverage with --ema: its averaged weights are saved too
+    ema: Any = (
+        None  # ddpcli.training.ema.WeightAverage with --ema: its averaged weights are saved too
+    )
 
 
 def training_payload(
@@ -320,7 +322,7 @@ def check_finite_payload(payload: dict[str, Any], path: Path) -> None:
         )
 
 
-# The class of the optimizer each --optimizer value builds (ddpcli.train.make_optimizer).
+# The class of the optimizer each --optimizer value builds (ddpcli.training.train.make_optimizer).
 OPTIMIZER_FLAGS = {"SGD": "sgd", "AdamW": "adamw"}
 
 

@@ -140,7 +140,7 @@ def bench_barrier(
         if launcher is not None and flags["nproc"] is None and flags["gpus"] is None:
             flags["nproc"] = launcher.world_size  # torchrun decided; --sleeps must match it
         cfg = build_barrier_config(flags)
-        from ddpcli.launch import early_fork_server
+        from ddpcli.launcher.launch import early_fork_server
 
         with early_fork_server(cfg, launcher):  # it imports torch while this process does
             from ddpcli.barrier import BarrierHang, run_bench

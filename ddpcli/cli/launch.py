@@ -1,4 +1,4 @@
-"""`ddpcli launch`: flags -> one validated ScriptLaunchConfig -> ddpcli.scriptlaunch.
+"""`ddpcli launch`: flags -> one validated ScriptLaunchConfig -> ddpcli.launcher.scriptlaunch.
 
 torchrun's spellings (`--nproc-per-node`, `--node_rank`, `--master_addr`, ...) name the same
 options, so that `torchrun` can be replaced by `ddpcli launch` in a command line. Option
@@ -231,7 +231,11 @@ def launch(
 
     def action() -> None:
         from ddpcli.config import build_launch_config
-        from ddpcli.scriptlaunch import check_before_start, launch_script, resolve_script_launch
+        from ddpcli.launcher.scriptlaunch import (
+            check_before_start,
+            launch_script,
+            resolve_script_launch,
+        )
 
         cfg = resolve_script_launch(build_launch_config(flags))
         check_before_start(cfg)

@@ -57,7 +57,13 @@ def plot(
     (metrics.jsonl); a run that is still going is drawn up to its last row."""
 
     def action() -> None:
-        from ddpcli.curves import choose_panels, draw_picture, draw_text, picture_format, read_runs
+        from ddpcli.runs.curves import (
+            choose_panels,
+            draw_picture,
+            draw_text,
+            picture_format,
+            read_runs,
+        )
 
         picture_format(out)
         panels = choose_panels(metric or ())

@@ -404,11 +404,11 @@ def train(
     def action() -> None:
         from ddpcli.config import build_train_config
         from ddpcli.environments import read_launcher_env
-        from ddpcli.launch import early_fork_server
+        from ddpcli.launcher.launch import early_fork_server
 
         launcher = read_launcher_env()
         cfg = checked(build_train_config(flags, recipe), launcher)
-        # CPU workers: their fork server imports torch beside us (ddpcli.fork).
+        # CPU workers: their fork server imports torch beside us (ddpcli.launcher.fork).
         with contextlib.nullcontext() if dry_run else early_fork_server(cfg, launcher):
             launched = resolve_and_launch(cfg, launcher)
         if launched is None:
@@ -426,7 +426,7 @@ def train(
         costs nothing. An error names where each setting it names came from."""
         from ddpcli.config.train import train_setting_origins, with_origins
         from ddpcli.errors import DdpcliError
-        from ddpcli.resolve import checked_train_config
+        from ddpcli.launcher.resolve import checked_train_config
 
         try:
             return checked_train_config(cfg, launcher)
@@ -438,8 +438,8 @@ def train(
     ) -> tuple[TrainConfig, dict[str, Any]] | None:
         """Resolve what needs torch, check the rest, then launch: the run's config and rank
         0's summary (None for a dry run, shown)."""
-        from ddpcli.preflight import preflight
-        from ddpcli.resolve import with_cpu_precision, with_usable_gpus
+        from ddpcli.launcher.resolve import with_cpu_precision, with_usable_gpus
+        from ddpcli.training.preflight import preflight
 
         cfg = with_cpu_precision(with_usable_gpus(cfg))
 
@@ -448,15 +448,15 @@ def train(
             show_config(cfg, json_output, built)
             return None
         from ddpcli.checkpoint.schema import check_resume_source
-        from ddpcli.launch import launch_train
-        from ddpcli.runfolder import continue_after_requeue
+        from ddpcli.launcher.launch import launch_train
+        from ddpcli.runs.runfolder import continue_after_requeue
 
         cfg = continue_after_requeue(cfg, launcher)
         check_resume_source(cfg)  # a bad --resume file: exit 2 now, before any worker starts
         try:
             return cfg, launch_train(cfg, debug=_state["debug"])
         except KeyboardInterrupt as stop:  # under torchrun this process was the rank itself
-            record = getattr(stop, "record", None)  # ddpcli.stopping.Interrupted's
+            record = getattr(stop, "record", None)  # ddpcli.training.stopping.Interrupted's
             if record is None:
                 raise
             return cfg, record
@@ -534,7 +534,7 @@ def resource_line(cfg, summary: dict) -> str:
 
 def report_rank_load(cfg, summary: dict) -> None:
     """The last epoch's data wait and compute per rank; the straggler named, with a hint."""
-    from ddpcli.rankload import straggler_note
+    from ddpcli.training.rankload import straggler_note
 
     if "data_wait_frac_per_rank" not in summary:
         return

@@ -1,7 +1,7 @@
 """`ddpcli train`'s configuration: the TrainConfig schema, recipes, and the one place that
 turns flags, a recipe and ddpcli's own environment variables into it.
 
-Precedence: built-in defaults < recipe file < command-line flags. `ddpcli.resolve` then
+Precedence: built-in defaults < recipe file < command-line flags. `ddpcli.launcher.resolve` then
 fills every "auto" value from the machine, so `config.json` holds what really ran.
 """
 
@@ -24,7 +24,6 @@ from pydantic import (
     model_validator,
 )
 
-from ddpcli.archs import BUILTIN_ARCHS
 from ddpcli.config.common import (
     Backend,
     CommandConfig,
@@ -49,6 +48,7 @@ from ddpcli.environments.pods import describe as describe_pod
 from ddpcli.environments.pods import pet_variables
 from ddpcli.errors import DdpcliError, usage_error
 from ddpcli.factories import is_factory_spec
+from ddpcli.training.archs import BUILTIN_ARCHS
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -302,13 +302,13 @@ class TrainConfig(Membership, CommandConfig):
     # debugging: (rank, seconds) from DDPCLI_SLOW_DATA, a rank slowed on purpose
     slow_data: tuple[int, float] | None = None
     # Resolved, never given: --lr scaled to the global batch of the world that really runs
-    # (`ddpcli.resolve` for --dry-run, each worker from its process group), so that
+    # (`ddpcli.launcher.resolve` for --dry-run, each worker from its process group), so that
     # config.json holds the rate the optimizer used.
     peak_lr: float | None = None
     # Resolved, never given: where the world came from, in words, for the run's header.
     world_from: str | None = None
     # Resolved, never given: why `--precision auto` became what `precision` holds (the header
-    # says it; ddpcli.precision decides it).
+    # says it; ddpcli.training.precision decides it).
     precision_reason: str | None = None
     # Resolved, never given: the command's --accumulate when a resume's batch policy set
     # another to keep the global batch (TrainConfig.for_world_change); the checkpoint keeps
@@ -486,7 +486,7 @@ class TrainConfig(Membership, CommandConfig):
             self.resolved_lr, global_batch, self.lr_base_batch, self.resolved_lr_scaling
         )
 
-    # Settings `ddpcli.resolve` fills in before any worker starts: None only until then.
+    # Settings `ddpcli.launcher.resolve` fills in before any worker starts: None only until then.
     @property
     def resolved_out(self) -> Path:
         return _resolved(self.out, "out")
@@ -541,7 +541,7 @@ Value = TypeVar("Value")
 
 def _resolved(value: Value | None, name: str) -> Value:
     if value is None:
-        raise RuntimeError(f"TrainConfig.{name} read before ddpcli.resolve filled it in")
+        raise RuntimeError(f"TrainConfig.{name} read before ddpcli.launcher.resolve filled it in")
     return value
 
 

@@ -31,15 +31,18 @@ from ddpcli.errors import (
     runtime_error,
     usage_error,
 )
-from ddpcli.failure_report import describe_failure, newest_run_log_dir
-from ddpcli.fork import fork_server, forks_workers, function_path_fixed, start_forked_worker
-from ddpcli.machine import cpu_count
-from ddpcli.membership import advertised_address, c10d_settings
-from ddpcli.peer_failure import PEER_FAILED_FILE, failed_workers_handled
-from ddpcli.process import AGREED_STOP_FILE, PARENT_PID_VARIABLE, freeze_imported_objects
-from ddpcli.resources import capacity_warnings
-from ddpcli.restarts import restarts_announced
-from ddpcli.rollcall import (
+from ddpcli.launcher.failure_report import describe_failure, newest_run_log_dir
+from ddpcli.launcher.fork import (
+    fork_server,
+    forks_workers,
+    function_path_fixed,
+    start_forked_worker,
+)
+from ddpcli.launcher.membership import advertised_address, c10d_settings
+from ddpcli.launcher.peer_failure import PEER_FAILED_FILE, failed_workers_handled
+from ddpcli.launcher.resources import capacity_warnings
+from ddpcli.launcher.restarts import restarts_announced
+from ddpcli.launcher.rollcall import (
     MasterUnreachable,
     NodeZeroGaveUp,
     NotAStore,
@@ -48,17 +51,19 @@ from ddpcli.rollcall import (
     disagreements,
     open_store,
 )
-from ddpcli.runfolder import claim_run_folder
-from ddpcli.stacks import STACKS_FOLDER_VARIABLE
+from ddpcli.launcher.stacks import STACKS_FOLDER_VARIABLE
+from ddpcli.machine import cpu_count
+from ddpcli.process import AGREED_STOP_FILE, PARENT_PID_VARIABLE, freeze_imported_objects
+from ddpcli.runs.runfolder import claim_run_folder
 
 if TYPE_CHECKING:  # torch is imported where a launch needs it, not with this module
     from torch.distributed import Store
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig
 
-WORKER_MODULE = "ddpcli.worker"
+WORKER_MODULE = "ddpcli.training.worker"
 BARRIER_WORKER_MODULE = "ddpcli.barrier.worker"
-DEFAULT_MASTER_PORT = 29500  # torchrun's, as in ddpcli.resolve
+DEFAULT_MASTER_PORT = 29500  # torchrun's, as in ddpcli.launcher.resolve
 
 
 def launch_train(cfg: TrainConfig, debug: bool = False) -> dict[str, Any]:
@@ -84,7 +89,7 @@ def launch_train(cfg: TrainConfig, debug: bool = False) -> dict[str, Any]:
 
 def draw_curves(out: Path) -> Path | None:
     """OUT/curves.png; a picture that cannot be drawn is a warning, never a failed run."""
-    from ddpcli.curves import write_run_curves
+    from ddpcli.runs.curves import write_run_curves
 
     try:
         return write_run_curves(out)
@@ -115,7 +120,7 @@ def run_adopted_worker(cfg: TrainConfig, launcher: LauncherEnv, debug: bool) -> 
     """This process is a rank of the launcher's world. A failed rank reports and ends at
     once, as our own workers do: its live process group is never torn down (that can wait
     for the other ranks' watchdogs) nor left to the interpreter's exit (Gloo can abort)."""
-    from ddpcli.worker import exit_for_error, run_worker
+    from ddpcli.training.worker import exit_for_error, run_worker
 
     try:
         return run_worker(cfg, launcher)
@@ -164,7 +169,7 @@ class WorkerJob:
     args: list[str]
     nproc_per_node: int
     # Fork the workers from this process, which imports MODULE once for all of them, instead
-    # of starting an interpreter each (ddpcli.fork). Only for jobs that never use CUDA.
+    # of starting an interpreter each (ddpcli.launcher.fork). Only for jobs that never use CUDA.
     fork: bool = False
     nnodes: int = 1
     node_rank: int = 0
@@ -185,10 +190,10 @@ class WorkerJob:
     rdzv_id: str | None = None
     ifname: str | None = None
     # Touched by the agent before it stops the workers after one failed, for workers that
-    # take SIGTERM as a preemption (ddpcli.peer_failure); None: their SIGTERM ends them.
+    # take SIGTERM as a preemption (ddpcli.launcher.peer_failure); None: their SIGTERM ends them.
     peer_failed_notice: Path | None = None
-    # Workers that write their stack to a file when stopped (ddpcli.bootstrap), for the
-    # report to say where they were; else they print it (ddpcli.worker).
+    # Workers that write their stack to a file when stopped (ddpcli.launcher.bootstrap), for the
+    # report to say where they were; else they print it (ddpcli.training.worker).
     stacks_to_report: bool = False
     # torchrun's flags as `ddpcli launch` takes them: which output goes to --log-dir's files
     # (None: all of it) and which the terminal also shows (None: rank 0's, every error),
@@ -421,7 +426,8 @@ def roll_call(job: WorkerJob) -> Store:
     """Before any worker starts, every node reports to node 0 on the master's store, so a
     node that never comes is named after --timeout instead of everyone waiting forever.
     Node 0 hosts the store (multi-tenant: the elastic agent's rendezvous reuses it), and
-    when it gives up it posts why, so the nodes that came say the same (ddpcli.rollcall)."""
+    when it gives up it posts why, so the nodes that came say the same
+    (ddpcli.launcher.rollcall)."""
     address = f"{job.master_addr}:{job.agent_port}"
     try:
         store = open_store(

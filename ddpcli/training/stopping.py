@@ -8,7 +8,7 @@
   step. No host sync is added to the other steps. The run then saves a mid-epoch checkpoint
   (as `--max-steps` does) and ends; a resume continues exactly from it.
 - The agent's SIGTERM after another rank failed: no preemption, the rank leaves at once
-  (ddpcli.peer_failure).
+  (ddpcli.launcher.peer_failure).
 - SIGTERM when the preemption signal is another (USR1): an ordinary termination. Every rank
   leaves at once without saving (a scheduler's SIGTERM after USR1 means the grace is over);
   rank 0 first leaves where the run stopped, for the launcher to say in one line. No stack
@@ -31,8 +31,8 @@ import torch
 
 from ddpcli.dist import DistContext, all_reduce_max
 from ddpcli.errors import RUNTIME, STOPPED_FOR_PEER, debug_requested
+from ddpcli.launcher.stacks import main_thread_now, place_in_words
 from ddpcli.process import end_quietly, record_for_agent
-from ddpcli.stacks import main_thread_now, place_in_words
 
 # A rank still running this long after the preemption signal is most likely stuck (in a
 # collective with a peer that died on another node, whose agent could leave no notice
@@ -185,7 +185,7 @@ def leave_for_failed_peer() -> NoReturn:
     """Out now, from any thread, even while the main one waits in a collective: the job
     has already failed, and the agent names the rank that did. Where the main thread was
     goes with it: a rank busy outside any collective when the others gave up waiting is the
-    one they waited for (ddpcli.failure_report)."""
+    one they waited for (ddpcli.launcher.failure_report)."""
     place, waiting = main_thread_now()
     where = f" while {'waiting' if waiting else 'busy'} at {place_in_words(place)}" if place else ""
     record_for_agent(RuntimeError(STOPPED_FOR_PEER + where))

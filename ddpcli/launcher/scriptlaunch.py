@@ -1,9 +1,9 @@
 """`ddpcli launch`: a user's script on ddpcli's launcher, as torchrun would run it.
 
-The same torch.distributed.elastic agent as `ddpcli train` (ddpcli.launch.run_workers): every
-worker gets torchrun's environment and runs the script through `ddpcli.bootstrap`. What the
-machine can tell is checked first (the script, GPUs, interface, master port): exit 2 there,
-before any worker starts.
+The same torch.distributed.elastic agent as `ddpcli train`
+(ddpcli.launcher.launch.run_workers): every worker gets torchrun's environment and runs the
+script through `ddpcli.launcher.bootstrap`. What the machine can tell is checked first (the
+script, GPUs, interface, master port): exit 2 there, before any worker starts.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from ddpcli.checkenv.network import port_holder, port_is_free
 from ddpcli.config import ScriptLaunchConfig
 from ddpcli.errors import DdpcliError, usage_error
 from ddpcli.files import folder_write_problem
-from ddpcli.launch import (
+from ddpcli.launcher.launch import (
     STORE_PER_ROUND,
     JobStopped,
     WorkerJob,
@@ -27,7 +27,7 @@ from ddpcli.launch import (
 )
 from ddpcli.machine import check_gpu_indices, check_interface, granted_gpus, physical_gpu_count
 
-BOOTSTRAP_MODULE = "ddpcli.bootstrap"
+BOOTSTRAP_MODULE = "ddpcli.launcher.bootstrap"
 CPU_PROCESSES = 2  # with no GPU and no --nproc, as `ddpcli train` does
 
 
@@ -142,7 +142,7 @@ def script_job(cfg: ScriptLaunchConfig) -> WorkerJob:
 
 def restart_safe(cfg: ScriptLaunchConfig) -> dict[str, str]:
     """Where workers may start again (--max-restarts, or a membership change), a store per
-    round (ddpcli.launch.STORE_PER_ROUND): on the lent one, restarted Gloo ranks failed to
+    round (ddpcli.launcher.launch.STORE_PER_ROUND): on the lent one, restarted Gloo ranks failed to
     connect in 1 restart of 3 here, as under torchrun."""
     if cfg.max_restarts == 0 and not cfg.elastic:
         return {}  # one round: the lent store is safe, and needs no free port picked

@@ -11,7 +11,6 @@ import datetime
 from pathlib import Path
 from typing import Any
 
-from ddpcli.archs import check_arch
 from ddpcli.config import TrainConfig
 from ddpcli.config.common import elastic_rendezvous
 from ddpcli.data.layout import STL10_SIDE, check_data_source, resize_side, training_augment
@@ -25,8 +24,9 @@ from ddpcli.machine import (
     nvidia_driver_version,
     physical_gpu_count,
 )
-from ddpcli.precision import auto_cpu_precision, native_cpu_bf16
-from ddpcli.tbwriter import INSTALL_HINT, tensorboard_installed
+from ddpcli.runs.tbwriter import INSTALL_HINT, tensorboard_installed
+from ddpcli.training.archs import check_arch
+from ddpcli.training.precision import auto_cpu_precision, native_cpu_bf16
 
 DEFAULT_MASTER_PORT = 29500  # torchrun's
 # The side each data set is trained at unless --image-size says otherwise.
@@ -217,7 +217,7 @@ def driver_major(driver: str) -> int:
 
 
 def with_cpu_precision(cfg: TrainConfig) -> TrainConfig:
-    """`--precision auto` on the CPU (ddpcli.precision: native bf16 and a model it pays
+    """`--precision auto` on the CPU (ddpcli.training.precision: native bf16 and a model it pays
     for), asked of torch. On GPUs each worker decides from the device it is given."""
     if not cfg.cpu or cfg.precision != "auto":
         return cfg

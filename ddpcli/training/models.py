@@ -10,7 +10,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from ddpcli.archs import check_arch
 from ddpcli.errors import first_line, usage_error
 from ddpcli.factories import (
     call_factory,
@@ -19,6 +18,7 @@ from ddpcli.factories import (
     load_factory,
     timm_model_name,
 )
+from ddpcli.training.archs import check_arch
 
 
 def _conv_bn(in_channels: int, out_channels: int) -> nn.Sequential:

@@ -1,7 +1,7 @@
 """One worker of `ddpcli launch`: run the user's script (or module) as `python SCRIPT` or
 `python -m MODULE` would, in a process the launcher can report on.
 
-Started as `python -m ddpcli.bootstrap [-m] TARGET ARGS...` by the elastic agent, with
+Started as `python -m ddpcli.launcher.bootstrap [-m] TARGET ARGS...` by the elastic agent, with
 torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, ...). The script needs no change:
 no `@record`, no signal handling. An uncaught exception is printed as Python would print
 it and recorded in the agent's error file, so the launcher names it, except where it only
@@ -31,16 +31,16 @@ from ddpcli.errors import (
     gave_up_waiting,
     lost_a_peer,
 )
-from ddpcli.process import die_with_parent, record_for_agent
-from ddpcli.stacks import (
+from ddpcli.launcher.stacks import (
     STACKS_FOLDER_VARIABLE,
     finished_file_name,
     is_users_code,
     place_in_words,
     stack_file_name,
 )
+from ddpcli.process import die_with_parent, record_for_agent
 
-USAGE_TEXT = "usage: python -m ddpcli.bootstrap [-m] SCRIPT.py|FOLDER|MODULE [ARGS...]"
+USAGE_TEXT = "usage: python -m ddpcli.launcher.bootstrap [-m] SCRIPT.py|FOLDER|MODULE [ARGS...]"
 
 
 def run_target(target: str, as_module: bool, args: list[str]) -> None:
@@ -111,7 +111,7 @@ def end_now(exit_code: int) -> None:
 
 def stack_output(reports: str) -> TextIO:
     """Where this rank writes its stack when the agent stops it: a file in the launcher's
-    folder REPORTS, which its report turns into a line (ddpcli.stacks), else stderr."""
+    folder REPORTS, which its report turns into a line (ddpcli.launcher.stacks), else stderr."""
     if not reports:
         return sys.stderr
     try:
@@ -160,7 +160,7 @@ def main(argv: list[str]) -> None:
 def close_process_group() -> None:
     """The process group a finished script left open, closed while the interpreter still
     runs, as torch asks scripts to do. Left to the interpreter's exit, a rank 0 that hosts
-    the store (each round's own: ddpcli.scriptlaunch.restart_safe) now and then aborts
+    the store (each round's own: ddpcli.launcher.scriptlaunch.restart_safe) now and then aborts
     there ("terminate called without an active exception"), and a finished job fails."""
     dist = sys.modules.get("torch.distributed")
     if dist is not None and dist.is_available() and dist.is_initialized():

@@ -24,7 +24,7 @@ from ddpcli.errors import (
     runtime_error,
     usage_error,
 )
-from ddpcli.stacks import (
+from ddpcli.launcher.stacks import (
     finished_file_name,
     innermost_users_frame,
     place_in_words,
@@ -293,7 +293,8 @@ def error_tail(failure: ProcessFailure, lines: int = 3) -> str:
     return "\n".join(f"  {line}" for line in tail)
 
 
-# What a worker that left on the agent's SIGTERM recorded of where it was (ddpcli.stopping).
+# What a worker that left on the agent's SIGTERM recorded of where it was
+# (ddpcli.training.stopping).
 LEFT_FOR_PEER = re.compile(
     re.escape(STOPPED_FOR_PEER) + r" while (?P<state>waiting|busy) at (?P<place>.+)"
 )
@@ -318,7 +319,8 @@ def stopped_place(rank: int, process: ProcessFailure, stacks: Path | None) -> st
 
 
 def stopped_at(stacks: Path, rank: int) -> str | None:
-    """Where RANK was when the agent stopped it, from the stack it wrote then (ddpcli.stacks)."""
+    """Where RANK was when the agent stopped it, from the stack it wrote then
+    (ddpcli.launcher.stacks)."""
     frame = where_stopped(stacks / stack_file_name(rank))
     return place_in_words(frame) if frame else None
 

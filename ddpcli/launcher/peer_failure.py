@@ -6,7 +6,7 @@ that they start a later round of the job.
   its sockets: left alive, they kept the other ranks from seeing it go until their own
   check of their parent (every 5 s), and outlived the job by as much.
 - It leaves a notice for workers that take SIGTERM as a preemption (`ddpcli train`:
-  checkpoint at the next agreed step, then stop; ddpcli.stopping). The agent stops the
+  checkpoint at the next agreed step, then stop; ddpcli.training.stopping). The agent stops the
   surviving workers with that same signal, and a survivor stuck in a collective with the
   dead rank (NCCL need not notice a dead peer on the same node; a rank busy loading data
   has not yet reached one) waited for the agent's SIGKILL, 30 s later, after printing its

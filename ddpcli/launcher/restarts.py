@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ddpcli import ui
-from ddpcli.failure_report import round_in_words
+from ddpcli.launcher.failure_report import round_in_words
 
 
 @dataclass

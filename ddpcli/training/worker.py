@@ -1,6 +1,6 @@
 """One training process: join the group, build the parts, train, leave cleanly.
 
-Started by our elastic launcher as `python -m ddpcli.worker CONFIG.json`, or called
+Started by our elastic launcher as `python -m ddpcli.training.worker CONFIG.json`, or called
 in-process when torchrun (or SLURM) already made this process a rank.
 """
 
@@ -38,14 +38,8 @@ from ddpcli.errors import (
     said_by_rank,
 )
 from ddpcli.files import write_text_atomic
+from ddpcli.launcher.peer_failure import LATER_ROUND_FILE, PEER_FAILED_FILE
 from ddpcli.machine import cpu_count
-from ddpcli.peer_failure import LATER_ROUND_FILE, PEER_FAILED_FILE
-from ddpcli.precision import (
-    auto_cpu_precision,
-    auto_gpu_precision,
-    gpu_capability,
-    native_cpu_bf16,
-)
 from ddpcli.process import (
     AGREED_STOP_FILE,
     collect_then_freeze,
@@ -57,7 +51,13 @@ from ddpcli.process import (
     record_for_agent,
     recorded,
 )
-from ddpcli.stopping import (
+from ddpcli.training.precision import (
+    auto_cpu_precision,
+    auto_gpu_precision,
+    gpu_capability,
+    native_cpu_bf16,
+)
+from ddpcli.training.stopping import (
     SUMMARY_FILE,
     Interrupted,
     note_failed_peers,
@@ -65,7 +65,7 @@ from ddpcli.stopping import (
     wait_if_terminating,
     was_interrupted,
 )
-from ddpcli.train import Trainer
+from ddpcli.training.train import Trainer
 
 
 def finalize_for_device(cfg: TrainConfig, ctx: DistContext) -> TrainConfig:

@@ -2,7 +2,7 @@
 
 The launcher checks the name before it starts any worker, so a typo fails in a moment
 with exit 2; importing torchvision there only to list its models would slow every run's
-start (docs/performance.md). The workers build the model (ddpcli.models).
+start (docs/performance.md). The workers build the model (ddpcli.training.models).
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ def installed_torchvision_classifiers() -> list[str]:
 
 def check_arch(name: str) -> None:
     """A name torchvision or ddpcli knows; `timm:NAME` with timm installed. A factory
-    (`pkg.module:factory`) is checked where it is imported and built (ddpcli.preflight)."""
+    (`pkg.module:factory`) is checked where it is imported and built (ddpcli.training.preflight)."""
     if is_factory_spec(name):
         return
     if timm_model_name(name) is not None:

@@ -170,7 +170,8 @@ def function_path_fixed() -> Iterator[None]:
     from torch.distributed.elastic import multiprocessing as elastic_mp
     from torch.distributed.elastic.multiprocessing.api import ProcessFailure, RunProcsResult
 
-    # On the context elastic would use now: another patch of it (ddpcli.peer_failure) holds.
+    # On the context elastic would use now: another patch of it
+    # (ddpcli.launcher.peer_failure) holds.
     class FixedContext(elastic_mp.MultiprocessContext):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
