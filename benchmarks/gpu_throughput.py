@@ -423,7 +423,7 @@ def train_gflop_per_image(arch: str, image_size: int) -> float:
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
-    from ddpcli.training.models import build_model
+    from ddpcli.models.build import build_model
 
     model = build_model(arch, num_classes=10).eval()  # batch norm over one image
     counter = FlopCounterMode(display=False)

@@ -70,10 +70,6 @@ def exit_with_error(message: str, exit_code: int) -> NoReturn:
     end_quietly(exit_code)
 
 
-# Beside a launch's private worker config: rank 0's word on a stop every rank found together.
-AGREED_STOP_FILE = "agreed-stop.json"
-
-
 def end_quietly(exit_code: int) -> NoReturn:
     """Out at once, skipping atexit hooks that could wait on dead peers. The agent now stops
     the other ranks with SIGTERM, maybe this one too: no stack dump for that."""

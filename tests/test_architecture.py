@@ -12,7 +12,7 @@ from conftest import REPO
 PACKAGE = REPO / "ddpcli"
 # What `ddpcli --help` imports: none of it may import torch or torchvision at module level.
 LIGHT_PACKAGES = ("ddpcli.cli", "ddpcli.config", "ddpcli.environments")
-LIGHT_MODULES = ("ddpcli.errors", "ddpcli.ui", "ddpcli.machine", "ddpcli.training.archs")
+LIGHT_MODULES = ("ddpcli.errors", "ddpcli.ui", "ddpcli.machine", "ddpcli.models.archs")
 # `ddpcli plot` reads runs with these, and draws with matplotlib/plotext only when it draws.
 PLOT_MODULES = ("ddpcli.runs.curves", "ddpcli.runs.steplog", "ddpcli.runs.tbwriter")
 HEAVY = ("torch", "torchvision", "numpy", "matplotlib", "plotext", "tensorboard")

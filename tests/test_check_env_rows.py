@@ -10,10 +10,10 @@ import pytest
 
 from ddpcli.checkenv import checks, facts, network_checks
 from ddpcli.checkenv.facts import Gpu, Master, NodeFacts
-from ddpcli.checkenv.network import Interface, Route, interface_from_ip
 from ddpcli.checkenv.report import Report, Row, fail, ok, warn
 from ddpcli.config.checkenv import CheckEnvOptions, build_check_options, is_loopback
 from ddpcli.errors import DdpcliError
+from ddpcli.network import Interface, Route, interface_from_ip
 
 VERSIONS = {
     "python": "3.11.7",

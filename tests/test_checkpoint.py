@@ -50,7 +50,7 @@ def invoke(*args: str):
 
 def training_payload(arch: str = "tinycnn", num_classes: int = 10, prefix: str = "") -> dict:
     """What Trainer.checkpoint_payload writes, built without a training run."""
-    from ddpcli.training.models import build_model
+    from ddpcli.models.build import build_model
     from ddpcli.training.param_groups import weight_decay_groups
 
     torch.manual_seed(0)
@@ -466,7 +466,7 @@ def test_resume_from_a_folder_means_its_last_checkpoint(tmp_path, saved):
 
 def test_resume_names_what_does_not_fit_the_model(saved):
     from ddpcli.checkpoint.loading import load_model_state
-    from ddpcli.training.models import build_model
+    from ddpcli.models.build import build_model
 
     with pytest.raises(DdpcliError, match=r"fc.weight is \[10, 32\], the model wants \[5, 32\]"):
         load_model_state(build_model("tinycnn", 5), safe_load(saved)["model"], saved)
@@ -663,7 +663,7 @@ def test_resume_with_another_optimizer_is_exit_2_naming_both(tmp_path, saved):
 
 def test_restoring_another_optimizers_state_is_refused_not_a_key_error(saved):
     from ddpcli.checkpoint.schema import check_optimizer_fits
-    from ddpcli.training.models import build_model
+    from ddpcli.models.build import build_model
 
     adamw = torch.optim.AdamW(build_model("tinycnn", 10).parameters())
     with pytest.raises(DdpcliError, match="--optimizer sgd, this run asks for --optimizer adamw"):
@@ -769,7 +769,7 @@ def test_init_from_refuses_weights_that_hold_nan(tmp_path):
 )
 def test_out_of_memory_while_loading_is_not_called_corrupt(saved, monkeypatch, raised, words):
     from ddpcli.checkpoint.init import load_initial_weights
-    from ddpcli.training.models import build_model
+    from ddpcli.models.build import build_model
 
     def load(*args, **kwargs):
         raise raised

@@ -26,7 +26,7 @@ Path({marker!r}).write_text("imported")  # what a stranger's module does when im
 
 
 def make(num_classes=10, **kwargs):
-    from ddpcli.training.models import TinyCNN
+    from ddpcli.models.build import TinyCNN
 
     Path({marker!r}).write_text("called")
 

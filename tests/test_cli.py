@@ -160,7 +160,8 @@ def test_launcher_checks_a_torchvision_arch_without_importing_torchvision():
 def test_known_arch_names_match_the_installed_torchvision_and_the_builtins():
     import torchvision
 
-    from ddpcli.training import archs, models
+    from ddpcli.models import archs
+    from ddpcli.models import build as models
 
     installed = set(torchvision.models.list_models(module=torchvision.models))
     assert not archs.KNOWN_TORCHVISION_CLASSIFIERS - installed  # no name it lacks

@@ -24,8 +24,8 @@ from ddpcli.data.autoaugment import auto_augment_images, policy_transform
 from ddpcli.data.erasing import erase_images
 from ddpcli.data.mixing import BatchMixing
 from ddpcli.data.ra_sampler import repeated_shard
+from ddpcli.models.build import TinyCNN
 from ddpcli.training.ema import WeightAverage, adjusted_decay, slow_average_warning
-from ddpcli.training.models import TinyCNN
 from ddpcli.training.param_groups import weight_decay_groups
 
 # --- Mixup / CutMix -------------------------------------------------------------------------

@@ -10,7 +10,7 @@ import traceback
 from pathlib import Path
 
 import ddpcli
-from ddpcli.launcher import stacks
+from ddpcli import stacks
 
 PACKAGE = Path(ddpcli.__file__).parent
 SITE = Path(sysconfig.get_paths()["purelib"])

@@ -62,7 +62,7 @@ def init(cpu: bool) -> tuple[int, int, torch.device]:
 
 
 def build_model(arch: str, device: torch.device) -> torch.nn.Module:
-    from ddpcli.training.models import build_model as registry_model
+    from ddpcli.models.build import build_model as registry_model
 
     torch.manual_seed(0)
     return registry_model(arch, num_classes=10).to(device)

@@ -9,7 +9,7 @@ from pathlib import Path
 from ddpcli.barrier.rank import ranks_in_words
 from ddpcli.config import BarrierConfig
 from ddpcli.errors import RUNTIME, DdpcliError
-from ddpcli.launcher.stacks import first_frame
+from ddpcli.stacks import first_frame
 
 
 class BarrierHang(DdpcliError):

@@ -14,7 +14,6 @@ from ddpcli.checkenv.facts import (
     collect_facts,
     locate_master,
 )
-from ddpcli.checkenv.network import Interface
 from ddpcli.checkenv.network_checks import network_rows, port_rows
 from ddpcli.checkenv.report import Report, Row, fail, in_section, ok, warn
 from ddpcli.config.checkenv import DEFAULT_MASTER_PORT, CheckEnvOptions
@@ -23,6 +22,7 @@ from ddpcli.environments.pods import pet_variables
 from ddpcli.errors import DdpcliError, first_line
 from ddpcli.launcher.resolve import gpus_torch_cannot_use
 from ddpcli.machine import check_interface
+from ddpcli.network import Interface
 from ddpcli.process import ROOM_FOR_TMPDIR, multiprocessing_sockets_fit
 
 

@@ -1,6 +1,6 @@
 """What check-env knows about this node, read once: software versions, GPUs (as nvidia-smi
 numbers them, and as a process numbers them given CUDA_VISIBLE_DEVICES), the distributed
-variables that are set, the network (ddpcli.checkenv.network), and where the master is.
+variables that are set, the network (ddpcli.network), and where the master is.
 Torch is imported inside the functions that ask it, never at module level."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import platform
 import socket
 from dataclasses import dataclass
 
-from ddpcli.checkenv.network import Interface, list_interfaces, resolve_ip, route_to
 from ddpcli.config.checkenv import CheckEnvOptions, is_loopback
 from ddpcli.environments.pods import PET_FLAGS
 from ddpcli.machine import nvidia_driver_version, run_tool
+from ddpcli.network import Interface, list_interfaces, resolve_ip, route_to
 
 SOCKET_IFNAME_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 DISTRIBUTED_VARIABLES = (

@@ -6,16 +6,16 @@ from __future__ import annotations
 import ipaddress
 
 from ddpcli.checkenv.facts import SOCKET_IFNAME_VARIABLES, Master, NodeFacts, hosts_master
-from ddpcli.checkenv.network import (
+from ddpcli.checkenv.report import Row, fail, ok, warn
+from ddpcli.config.checkenv import CheckEnvOptions, is_loopback
+from ddpcli.launcher.rollcall import CONNECT_TIMEOUT_S, try_connect
+from ddpcli.network import (
     RESOLVE_TIMEOUT_S,
     Interface,
     free_port,
     port_holder,
     port_is_free,
 )
-from ddpcli.checkenv.report import Row, fail, ok, warn
-from ddpcli.config.checkenv import CheckEnvOptions, is_loopback
-from ddpcli.launcher.rollcall import CONNECT_TIMEOUT_S, try_connect
 
 # --- Checks: interfaces, host name, master --------------------------------------------------
 

@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ddpcli.checkenv.facts import Master, NodeFacts, comparable_facts
-from ddpcli.checkenv.network import address_for, free_port, port_holder
 from ddpcli.checkenv.probe_plan import FACTS_FILE, ProbePlan, RankLayout, plan_probe
 from ddpcli.checkenv.probe_ranks import run_local_ranks, unknown_outcomes
 from ddpcli.checkenv.probe_rows import (
@@ -36,6 +35,7 @@ from ddpcli.checkenv.report import Row, fail, ok
 from ddpcli.config.checkenv import CheckEnvOptions
 from ddpcli.errors import first_line
 from ddpcli.launcher.rollcall import NotAStore, RollCall, open_store
+from ddpcli.network import address_for, free_port, port_holder
 
 if TYPE_CHECKING:
     from torch.distributed import Store, TCPStore

@@ -25,11 +25,11 @@ import torch
 import torch.distributed as dist
 
 from ddpcli.checkenv.facts import comparable_facts, software_versions
-from ddpcli.checkenv.network import address_for
 from ddpcli.checkenv.probe_plan import BARRIER_ITERATIONS, FACTS_FILE, ProbeRequest, stage_file
 from ddpcli.dist import DistContext, init_distributed, shutdown
 from ddpcli.environments import LauncherEnv, read_launcher_env
 from ddpcli.errors import DdpcliError, first_line
+from ddpcli.network import address_for
 from ddpcli.process import collect_then_freeze
 from ddpcli.timing import bandwidth_gbps, percentiles_us, synced_clock, synchronize, time_calls_ns
 

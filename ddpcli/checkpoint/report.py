@@ -204,7 +204,7 @@ def build_model_skeleton(
     arch: str, num_classes: int | None, model_args: dict[str, Any] | None = None
 ) -> torch.nn.Module:
     """The model on the meta device: shapes and names only, no memory, no initialisation."""
-    from ddpcli.training.models import build_model
+    from ddpcli.models.build import build_model
 
     with torch.device("meta"):
         return build_model(arch, 1000 if num_classes is None else num_classes, model_args)
@@ -277,7 +277,7 @@ def load_hint(
     model_args: dict[str, Any] | None = None,
 ) -> str:
     """The plain-PyTorch line that loads the converted file."""
-    from ddpcli.training.models import BUILTIN_MODELS
+    from ddpcli.models.build import BUILTIN_MODELS
 
     state = f"torch.load({str(out)!r}, weights_only=True)" + ('["model"]' if nested else "")
     if arch and is_factory_spec(arch):  # the user's own factory: their import, their call
@@ -286,7 +286,7 @@ def load_hint(
         model = f"{spec.attribute}(num_classes={num_classes or 'N'}{keywords})"
         return f"{factory_import(spec)}; {model}.load_state_dict({state})"
     elif arch in BUILTIN_MODELS:
-        model = f"ddpcli.training.models.build_model({arch!r}, num_classes={num_classes})"
+        model = f"ddpcli.models.build.build_model({arch!r}, num_classes={num_classes})"
     else:
         model = f"torchvision.models.{arch or 'ARCH'}(num_classes={num_classes or 'N'})"
     return f"{model}.load_state_dict({state})"

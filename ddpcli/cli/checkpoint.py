@@ -93,7 +93,7 @@ def verify(
 
 def check_verify_options(arch: str | None, num_classes: int | None) -> None:
     """A model the check cannot build is bad input, not a verdict on the file: exit 2."""
-    from ddpcli.training.archs import check_arch
+    from ddpcli.models.archs import check_arch
 
     if arch is not None:
         check_arch(arch)

@@ -48,7 +48,7 @@ from ddpcli.environments.pods import describe as describe_pod
 from ddpcli.environments.pods import pet_variables
 from ddpcli.errors import DdpcliError, usage_error
 from ddpcli.factories import is_factory_spec
-from ddpcli.training.archs import BUILTIN_ARCHS
+from ddpcli.models.archs import BUILTIN_ARCHS
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -31,14 +31,14 @@ from ddpcli.errors import (
     gave_up_waiting,
     lost_a_peer,
 )
-from ddpcli.launcher.stacks import (
+from ddpcli.process import die_with_parent, record_for_agent
+from ddpcli.stacks import (
     STACKS_FOLDER_VARIABLE,
     finished_file_name,
     is_users_code,
     place_in_words,
     stack_file_name,
 )
-from ddpcli.process import die_with_parent, record_for_agent
 
 USAGE_TEXT = "usage: python -m ddpcli.launcher.bootstrap [-m] SCRIPT.py|FOLDER|MODULE [ARGS...]"
 
@@ -111,7 +111,7 @@ def end_now(exit_code: int) -> None:
 
 def stack_output(reports: str) -> TextIO:
     """Where this rank writes its stack when the agent stops it: a file in the launcher's
-    folder REPORTS, which its report turns into a line (ddpcli.launcher.stacks), else stderr."""
+    folder REPORTS, which its report turns into a line (ddpcli.stacks), else stderr."""
     if not reports:
         return sys.stderr
     try:

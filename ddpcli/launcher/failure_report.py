@@ -24,7 +24,7 @@ from ddpcli.errors import (
     runtime_error,
     usage_error,
 )
-from ddpcli.launcher.stacks import (
+from ddpcli.stacks import (
     finished_file_name,
     innermost_users_frame,
     place_in_words,
@@ -320,7 +320,7 @@ def stopped_place(rank: int, process: ProcessFailure, stacks: Path | None) -> st
 
 def stopped_at(stacks: Path, rank: int) -> str | None:
     """Where RANK was when the agent stopped it, from the stack it wrote then
-    (ddpcli.launcher.stacks)."""
+    (ddpcli.stacks)."""
     frame = where_stopped(stacks / stack_file_name(rank))
     return place_in_words(frame) if frame else None
 

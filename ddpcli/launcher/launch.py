@@ -39,7 +39,7 @@ from ddpcli.launcher.fork import (
     start_forked_worker,
 )
 from ddpcli.launcher.membership import advertised_address, c10d_settings
-from ddpcli.launcher.peer_failure import PEER_FAILED_FILE, failed_workers_handled
+from ddpcli.launcher.peer_failure import failed_workers_handled
 from ddpcli.launcher.resources import capacity_warnings
 from ddpcli.launcher.restarts import restarts_announced
 from ddpcli.launcher.rollcall import (
@@ -51,10 +51,11 @@ from ddpcli.launcher.rollcall import (
     disagreements,
     open_store,
 )
-from ddpcli.launcher.stacks import STACKS_FOLDER_VARIABLE
 from ddpcli.machine import cpu_count
-from ddpcli.process import AGREED_STOP_FILE, PARENT_PID_VARIABLE, freeze_imported_objects
+from ddpcli.process import PARENT_PID_VARIABLE, freeze_imported_objects
+from ddpcli.records import AGREED_STOP_FILE, PEER_FAILED_FILE
 from ddpcli.runs.runfolder import claim_run_folder
+from ddpcli.stacks import STACKS_FOLDER_VARIABLE
 
 if TYPE_CHECKING:  # torch is imported where a launch needs it, not with this module
     from torch.distributed import Store

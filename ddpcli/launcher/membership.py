@@ -15,7 +15,7 @@ from __future__ import annotations
 import ipaddress
 from typing import Any
 
-from ddpcli.checkenv.network import address_for, list_interfaces, resolve_ip
+from ddpcli.network import address_for, list_interfaces, resolve_ip
 
 # Once MIN hosts have met, how long the rendezvous waits for more, up to MAX: short, so a
 # restart after a lost host is quick; a host that comes later joins at the next restart.

@@ -29,9 +29,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-# Beside a launch's private worker config (the agent's side) and read there by its workers.
-PEER_FAILED_FILE = "peer-failed"
-LATER_ROUND_FILE = "later-round"
+from ddpcli.records import LATER_ROUND_FILE
 
 
 class FailedWorkerHandling:

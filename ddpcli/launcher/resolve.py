@@ -24,8 +24,8 @@ from ddpcli.machine import (
     nvidia_driver_version,
     physical_gpu_count,
 )
+from ddpcli.models.archs import check_arch
 from ddpcli.runs.tbwriter import INSTALL_HINT, tensorboard_installed
-from ddpcli.training.archs import check_arch
 from ddpcli.training.precision import auto_cpu_precision, native_cpu_bf16
 
 DEFAULT_MASTER_PORT = 29500  # torchrun's

@@ -71,7 +71,7 @@ def model_bytes(cfg: TrainConfig) -> float:
         return 0.0
     import torch
 
-    from ddpcli.training.models import build_model
+    from ddpcli.models.build import build_model
 
     classes = 1000 if cfg.dataset == "imagefolder" else 10
     with torch.device("meta"):

@@ -13,7 +13,6 @@ import os
 import sys
 from pathlib import Path
 
-from ddpcli.checkenv.network import port_holder, port_is_free
 from ddpcli.config import ScriptLaunchConfig
 from ddpcli.errors import DdpcliError, usage_error
 from ddpcli.files import folder_write_problem
@@ -26,6 +25,7 @@ from ddpcli.launcher.launch import (
     worker_environment,
 )
 from ddpcli.machine import check_gpu_indices, check_interface, granted_gpus, physical_gpu_count
+from ddpcli.network import port_holder, port_is_free
 
 BOOTSTRAP_MODULE = "ddpcli.launcher.bootstrap"
 CPU_PROCESSES = 2  # with no GPU and no --nproc, as `ddpcli train` does

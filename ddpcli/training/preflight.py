@@ -52,7 +52,7 @@ def preflight(cfg: TrainConfig) -> dict[str, Any]:
         return {}
     import torch
 
-    from ddpcli.training.models import build_model, check_model_output, parameter_count
+    from ddpcli.models.build import build_model, check_model_output, parameter_count
 
     num_classes = class_count(cfg)
     torch.manual_seed(cfg.seed)

@@ -31,8 +31,8 @@ import torch
 
 from ddpcli.dist import DistContext, all_reduce_max
 from ddpcli.errors import RUNTIME, STOPPED_FOR_PEER, debug_requested
-from ddpcli.launcher.stacks import main_thread_now, place_in_words
 from ddpcli.process import end_quietly, record_for_agent
+from ddpcli.stacks import main_thread_now, place_in_words
 
 # A rank still running this long after the preemption signal is most likely stuck (in a
 # collective with a peer that died on another node, whose agent could leave no notice

@@ -43,13 +43,8 @@ from ddpcli.data.sets import SKIPPED_IMAGES_FILE
 from ddpcli.dist import DistContext, all_reduce_max, all_reduce_sum, barrier
 from ddpcli.errors import DdpcliError, agreed_error, runtime_error
 from ddpcli.files import write_text_atomic
-from ddpcli.runs.steplog import StepLog
-from ddpcli.timing import synced_clock, synchronize
-from ddpcli.training.ema import WeightAverage, adjusted_decay, slow_average_warning
-from ddpcli.training.models import build_model
-from ddpcli.training.param_groups import weight_decay_groups
-from ddpcli.training.precision import has_tf32
-from ddpcli.training.rankload import (
+from ddpcli.models.build import build_model
+from ddpcli.runs.rankload import (
     METRIC_SLOTS,
     RankClock,
     rank_figures,
@@ -57,6 +52,11 @@ from ddpcli.training.rankload import (
     slots_for,
     straggler_note,
 )
+from ddpcli.runs.steplog import StepLog
+from ddpcli.timing import synced_clock, synchronize
+from ddpcli.training.ema import WeightAverage, adjusted_decay, slow_average_warning
+from ddpcli.training.param_groups import weight_decay_groups
+from ddpcli.training.precision import has_tf32
 from ddpcli.training.stopping import SUMMARY_FILE, Interrupted, Preemption, stop_record
 from ddpcli.training.strategy import AUTOCAST_DTYPES, batch_split, model_devices, unwrap, wrap_model
 from ddpcli.training.syncbn import convert_sync_batchnorm
@@ -200,7 +200,7 @@ class Trainer:
         self.preemption = Preemption(
             cfg.preempt_signal, every_steps=cfg.log_every, on_terminate=self.record_termination
         )
-        # This rank's data wait and own compute (ddpcli.training.rankload).
+        # This rank's data wait and own compute (ddpcli.runs.rankload).
         self.clock = RankClock(unwrap(self.model), hook_forward=not cfg.compile)
 
     def build_ema(self) -> WeightAverage | None:

@@ -38,10 +38,8 @@ from ddpcli.errors import (
     said_by_rank,
 )
 from ddpcli.files import write_text_atomic
-from ddpcli.launcher.peer_failure import LATER_ROUND_FILE, PEER_FAILED_FILE
 from ddpcli.machine import cpu_count
 from ddpcli.process import (
-    AGREED_STOP_FILE,
     collect_then_freeze,
     die_with_parent,
     end_quietly,
@@ -51,6 +49,7 @@ from ddpcli.process import (
     record_for_agent,
     recorded,
 )
+from ddpcli.records import AGREED_STOP_FILE, LATER_ROUND_FILE, PEER_FAILED_FILE
 from ddpcli.training.precision import (
     auto_cpu_precision,
     auto_gpu_precision,

@@ -18,7 +18,7 @@ from ddpcli.factories import (
     load_factory,
     timm_model_name,
 )
-from ddpcli.training.archs import check_arch
+from ddpcli.models.archs import check_arch
 
 
 def _conv_bn(in_channels: int, out_channels: int) -> nn.Sequential:

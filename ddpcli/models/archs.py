@@ -2,7 +2,7 @@
 
 The launcher checks the name before it starts any worker, so a typo fails in a moment
 with exit 2; importing torchvision there only to list its models would slow every run's
-start (docs/performance.md). The workers build the model (ddpcli.training.models).
+start (docs/performance.md). The workers build the model (ddpcli.models.build).
 """
 
 from __future__ import annotations

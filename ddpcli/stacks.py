@@ -24,7 +24,7 @@ THREAD_HEADER = re.compile(r"^(Thread 0x|Current thread 0x|Stack \(most recent c
 
 # Each worker of `ddpcli launch` writes its stack to FOLDER/stack-RANK.txt when stopped.
 STACKS_FOLDER_VARIABLE = "DDPCLI_STACKS_DIR"
-PACKAGE = Path(__file__).parent.parent  # ddpcli/, every package of it
+PACKAGE = Path(__file__).parent  # ddpcli/, every package of it
 
 
 def stack_file_name(rank: int) -> str:

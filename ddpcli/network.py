@@ -1,6 +1,6 @@
-"""This node's network as check-env sees it: interfaces and their addresses (from `ip`, or
-the kernel when iproute2 is missing), the route to an address, name resolution with a
-deadline, and the master port (free here? who holds it?). Stdlib only."""
+"""This node's network as check-env and the launcher see it: interfaces and their addresses
+(from `ip`, or the kernel when iproute2 is missing), the route to an address, name
+resolution with a deadline, and the master port (free here? who holds it?). Stdlib only."""
 
 from __future__ import annotations
 
