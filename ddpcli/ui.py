@@ -143,7 +143,7 @@ class TrainProgress:
 
 def rank_text(row: dict) -> str:
     """` · data wait 12% · slowest rank 1 (+48%)`: the interval's mean data wait, and the
-    rank that held the others up, when one did (ddpcli.runs.rankload)."""
+    rank that held the others up, when one did (ddpcli.outputs.rankload)."""
     if "data_wait_frac" not in row:
         return ""
     text = f" · data wait {100 * row['data_wait_frac']:.0f}%"

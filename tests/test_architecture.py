@@ -14,7 +14,7 @@ PACKAGE = REPO / "ddpcli"
 LIGHT_PACKAGES = ("ddpcli.cli", "ddpcli.config", "ddpcli.environments")
 LIGHT_MODULES = ("ddpcli.errors", "ddpcli.ui", "ddpcli.machine", "ddpcli.models.archs")
 # `ddpcli plot` reads runs with these, and draws with matplotlib/plotext only when it draws.
-PLOT_MODULES = ("ddpcli.runs.curves", "ddpcli.runs.steplog", "ddpcli.runs.tbwriter")
+PLOT_MODULES = ("ddpcli.outputs.curves", "ddpcli.outputs.steplog", "ddpcli.outputs.tbwriter")
 HEAVY = ("torch", "torchvision", "numpy", "matplotlib", "plotext", "tensorboard")
 
 

@@ -13,8 +13,8 @@ from typer.testing import CliRunner
 
 from ddpcli.cli import app
 from ddpcli.errors import DdpcliError
-from ddpcli.runs.curves import choose_panels, read_run
-from ddpcli.runs.steplog import StepLog, read_rows
+from ddpcli.outputs.curves import choose_panels, read_run
+from ddpcli.outputs.steplog import StepLog, read_rows
 
 PNG_HEADER = b"\x89PNG\r\n\x1a\n"
 # 256 images, 2 ranks, 16 per rank: 8 steps per epoch.

@@ -10,7 +10,7 @@ from conftest import run_cli
 
 from ddpcli.config import build_train_config
 from ddpcli.errors import DdpcliError
-from ddpcli.runs.rankload import rank_figures, straggler_note
+from ddpcli.outputs.rankload import rank_figures, straggler_note
 
 
 def test_a_rank_well_above_the_median_is_named_with_a_data_hint():

@@ -19,7 +19,7 @@ from ddpcli.config import TrainConfig
 from ddpcli.environments import LauncherEnv, restarted_by
 from ddpcli.errors import DdpcliError
 from ddpcli.launcher.resources import capacity_warnings
-from ddpcli.runs.runfolder import (
+from ddpcli.outputs.runfolder import (
     RunFolderLock,
     claim_run_folder,
     continue_after_requeue,

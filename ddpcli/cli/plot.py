@@ -57,7 +57,7 @@ def plot(
     (metrics.jsonl); a run that is still going is drawn up to its last row."""
 
     def action() -> None:
-        from ddpcli.runs.curves import (
+        from ddpcli.outputs.curves import (
             choose_panels,
             draw_picture,
             draw_text,

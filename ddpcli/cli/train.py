@@ -186,7 +186,7 @@ def resolve_and_launch(
         return None
     from ddpcli.checkpoint.schema import check_resume_source
     from ddpcli.launcher.launch import launch_train
-    from ddpcli.runs.runfolder import continue_after_requeue
+    from ddpcli.outputs.runfolder import continue_after_requeue
 
     cfg = continue_after_requeue(cfg, launcher)
     check_resume_source(cfg)  # a bad --resume file: exit 2 now, before any worker starts
@@ -269,7 +269,7 @@ def resource_line(cfg, summary: dict) -> str:
 
 def report_rank_load(cfg, summary: dict) -> None:
     """The last epoch's data wait and compute per rank; the straggler named, with a hint."""
-    from ddpcli.runs.rankload import straggler_note
+    from ddpcli.outputs.rankload import straggler_note
 
     if "data_wait_frac_per_rank" not in summary:
         return

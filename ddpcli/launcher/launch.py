@@ -52,9 +52,9 @@ from ddpcli.launcher.rollcall import (
     open_store,
 )
 from ddpcli.machine import cpu_count
+from ddpcli.outputs.runfolder import claim_run_folder
 from ddpcli.process import PARENT_PID_VARIABLE, freeze_imported_objects
 from ddpcli.records import AGREED_STOP_FILE, PEER_FAILED_FILE
-from ddpcli.runs.runfolder import claim_run_folder
 from ddpcli.stacks import STACKS_FOLDER_VARIABLE
 
 if TYPE_CHECKING:  # torch is imported where a launch needs it, not with this module
@@ -90,7 +90,7 @@ def launch_train(cfg: TrainConfig, debug: bool = False) -> dict[str, Any]:
 
 def draw_curves(out: Path) -> Path | None:
     """OUT/curves.png; a picture that cannot be drawn is a warning, never a failed run."""
-    from ddpcli.runs.curves import write_run_curves
+    from ddpcli.outputs.curves import write_run_curves
 
     try:
         return write_run_curves(out)

@@ -25,7 +25,7 @@ from ddpcli.machine import (
     physical_gpu_count,
 )
 from ddpcli.models.archs import check_arch
-from ddpcli.runs.tbwriter import INSTALL_HINT, tensorboard_installed
+from ddpcli.outputs.tbwriter import INSTALL_HINT, tensorboard_installed
 from ddpcli.training.precision import auto_cpu_precision, native_cpu_bf16
 
 DEFAULT_MASTER_PORT = 29500  # torchrun's

@@ -44,7 +44,7 @@ from ddpcli.dist import DistContext, all_reduce_max, all_reduce_sum, barrier
 from ddpcli.errors import DdpcliError, agreed_error, runtime_error
 from ddpcli.files import write_text_atomic
 from ddpcli.models.build import build_model
-from ddpcli.runs.rankload import (
+from ddpcli.outputs.rankload import (
     METRIC_SLOTS,
     RankClock,
     rank_figures,
@@ -52,7 +52,7 @@ from ddpcli.runs.rankload import (
     slots_for,
     straggler_note,
 )
-from ddpcli.runs.steplog import StepLog
+from ddpcli.outputs.steplog import StepLog
 from ddpcli.timing import synced_clock, synchronize
 from ddpcli.training.ema import WeightAverage, adjusted_decay, slow_average_warning
 from ddpcli.training.param_groups import weight_decay_groups
@@ -200,7 +200,7 @@ class Trainer:
         self.preemption = Preemption(
             cfg.preempt_signal, every_steps=cfg.log_every, on_terminate=self.record_termination
         )
-        # This rank's data wait and own compute (ddpcli.runs.rankload).
+        # This rank's data wait and own compute (ddpcli.outputs.rankload).
         self.clock = RankClock(unwrap(self.model), hook_forward=not cfg.compile)
 
     def build_ema(self) -> WeightAverage | None:
