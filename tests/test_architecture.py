@@ -1,26 +1,72 @@
-"""The package's shape, checked: imports run one way (no cycle, counting the imports inside
-functions), and the modules `--help` loads never import torch at module level."""
+"""The package's shape, checked: imports run one way, between parts as between modules (no
+cycle, counting the imports inside functions); README.md's Layout has a line for every part;
+the paths the docs name exist; and the modules `--help` loads never import torch at module
+level."""
 
 from __future__ import annotations
 
 import ast
+import functools
+import re
 from pathlib import Path
 
 import pytest
 from conftest import REPO
 
 PACKAGE = REPO / "ddpcli"
+PACKAGES = sorted(path.parent.name for path in PACKAGE.glob("*/__init__.py"))
 # What `ddpcli --help` imports: none of it may import torch or torchvision at module level.
-LIGHT_PACKAGES = ("ddpcli.cli", "ddpcli.config", "ddpcli.environments")
-LIGHT_MODULES = ("ddpcli.errors", "ddpcli.ui", "ddpcli.machine", "ddpcli.models.archs")
-# `ddpcli plot` reads runs with these, and draws with matplotlib/plotext only when it draws.
-PLOT_MODULES = ("ddpcli.outputs.curves", "ddpcli.outputs.steplog", "ddpcli.outputs.tbwriter")
+# The modules that `python -m ddpcli` reaches through module-level imports are added below.
+# `ddpcli plot` reads runs with outputs/, which draws with matplotlib/plotext only when it draws.
+LIGHT_PACKAGES = ("ddpcli.cli", "ddpcli.config", "ddpcli.environments", "ddpcli.outputs")
+LIGHT_MODULES = (
+    "ddpcli.errors", "ddpcli.ui", "ddpcli.machine", "ddpcli.factories", "ddpcli.models.archs",
+)  # fmt: skip
 HEAVY = ("torch", "torchvision", "numpy", "matplotlib", "plotext", "tensorboard")
 
 
+def parts(names: str) -> set[str]:
+    return set(names.split())
+
+
+# The parts of ddpcli, and the parts each may import besides itself. A part is a package, or,
+# for the modules at the top: `errors` (the error type users see, beneath everything) and
+# `shared` (every other top-level module). Read top-down, each row names only rows above it:
+# the parts are layers (test_the_allowed_imports_are_layers). The comment says why each arrow.
+ALLOWED_IMPORTS: dict[str, set[str]] = {
+    "errors": set(),
+    # who started this process: launcher variables read, bad ones said as errors
+    "environments": parts("errors"),
+    # dist takes its world from environments' LauncherEnv
+    "shared": parts("errors environments"),
+    # what --arch names and builds; a user's own model through factories
+    "models": parts("errors shared"),
+    # PET_ variables as flag defaults (environments.pods); --arch names checked (models.archs)
+    "config": parts("errors shared environments models"),
+    # sets, augmentation and batches, built from the validated config
+    "data": parts("errors shared config"),
+    # a run folder records the run's config and who restarted it (environments)
+    "outputs": parts("errors shared environments config"),
+    # a checkpoint holds the data position (data.resharding); verify rebuilds the model
+    "checkpoint": parts("errors shared config data models"),
+    # one rank's work: its world, data and model, checkpoints saved, the run's files written
+    "training": parts("errors shared environments config models data checkpoint outputs"),
+    # a train config resolved against this machine (data, models, training.precision), its
+    # run folder claimed, training's worker started in each rank
+    "launcher": parts("errors shared environments config models data outputs training"),
+    # the two instruments start their ranks, and check the machine, as the launcher does
+    "barrier": parts("errors shared environments config launcher"),
+    "checkenv": parts("errors shared environments config launcher"),
+    # a command is a thin layer over the engine: it may call any part of it
+    "cli": parts(
+        "errors shared environments config models data outputs checkpoint training launcher "
+        "barrier checkenv"
+    ),
+}
+
+
 def module_name(path: Path) -> str:
-    parts = path.relative_to(REPO).with_suffix("").parts
-    return ".".join(parts).removesuffix(".__init__")
+    return ".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
 
 
 def package_of(name: str, path: Path) -> str:
@@ -43,12 +89,14 @@ def imported_names(tree: ast.AST, package: str, *, module_level_only: bool = Fal
             yield from (f"{base}.{alias.name}" for alias in node.names)
 
 
-def import_graph() -> dict[str, set[str]]:
+@functools.cache
+def import_graph(*, module_level_only: bool = False) -> dict[str, set[str]]:
     files = {module_name(path): path for path in PACKAGE.rglob("*.py")}
     graph = {}
     for name, path in files.items():
         tree = ast.parse(path.read_text())
-        targets = set(imported_names(tree, package_of(name, path)))
+        package = package_of(name, path)
+        targets = set(imported_names(tree, package, module_level_only=module_level_only))
         graph[name] = {target for target in targets if target in files and target != name}
     return graph
 
@@ -85,11 +133,204 @@ def test_the_import_graph_of_ddpcli_has_no_cycle():
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
 
 
+def part_of(module: str) -> str:
+    """The part of ddpcli a module belongs to (`python -m ddpcli` is the command line's)."""
+    top = module.split(".")[1] if "." in module else ""
+    if top == "__main__":
+        return "cli"
+    if top in PACKAGES or top == "errors":
+        return top
+    return "shared"
+
+
+def forbidden_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Every import from one part into another that ALLOWED_IMPORTS does not allow."""
+    found = []
+    for module, targets in sorted(graph.items()):
+        part = part_of(module)
+        allowed = ALLOWED_IMPORTS.get(part, set()) | {part}
+        found += [
+            f"{module} imports {target}: {part} may not import {part_of(target)}"
+            for target in sorted(targets)
+            if part_of(target) not in allowed
+        ]
+    return found
+
+
+def test_every_part_of_ddpcli_has_a_row_of_allowed_imports():
+    assert set(ALLOWED_IMPORTS) == {*PACKAGES, "errors", "shared"}
+
+
+def test_the_allowed_imports_are_layers():
+    arrows = {part: allowed - {part} for part, allowed in ALLOWED_IMPORTS.items()}
+    assert set().union(*arrows.values()) <= set(arrows)
+    cycle = find_cycle(arrows)
+    assert cycle is None, "the allowed imports go round: " + " -> ".join(cycle or [])
+
+
+def test_a_forbidden_import_is_found():
+    graph = {
+        "ddpcli.training.loop": {"ddpcli.launcher.launch", "ddpcli.data.pipeline"},
+        "ddpcli.config.train": {"ddpcli.cli.app", "ddpcli.models.archs"},
+        "ddpcli.dist": {"ddpcli.environments", "ddpcli.training.precision"},
+        "ddpcli.environments.world": {"ddpcli.errors", "ddpcli.ui"},
+        "ddpcli.__main__": {"ddpcli.cli"},
+    }
+    assert forbidden_imports(graph) == [
+        "ddpcli.config.train imports ddpcli.cli.app: config may not import cli",
+        "ddpcli.dist imports ddpcli.training.precision: shared may not import training",
+        "ddpcli.environments.world imports ddpcli.ui: environments may not import shared",
+        "ddpcli.training.loop imports ddpcli.launcher.launch: training may not import launcher",
+    ]
+
+
+def test_imports_between_the_parts_of_ddpcli_go_the_allowed_way():
+    assert forbidden_imports(import_graph()) == []
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_every_package_says_what_lives_there_and_what_it_may_import(package):
+    init = PACKAGE / package / "__init__.py"
+    docstring = ast.get_docstring(ast.parse(init.read_text())) or ""
+    assert len(docstring.split()) >= 12 and "import" in docstring, (
+        f"ddpcli/{package}/__init__.py: its docstring should say what lives in the package "
+        "and what it may import"
+    )
+
+
+def layout_section(readme: str) -> str:
+    return readme.split("\n## Layout", 1)[1].split("\n## ", 1)[0]
+
+
+def missing_from_layout(names: list[str], layout: str) -> list[str]:
+    """The top-level modules and packages (`dist.py`, `launcher/`) that no `ddpcli/NAME`
+    in the layout names."""
+    return [
+        name
+        for name in names
+        if not re.search(rf"(?<![\w/])ddpcli/{re.escape(name)}(?![\w/])", layout)
+    ]
+
+
+def test_a_module_missing_from_the_layout_is_found():
+    layout = "ddpcli/dist.py    process groups\nddpcli/launcher/resolve.py   exit 2 early\n"
+    names = ["dist.py", "distances.py", "launcher/", "launcher/resolve.py"]
+    assert missing_from_layout(names, layout) == ["distances.py", "launcher/"]
+
+
+def test_every_top_level_module_and_package_has_a_line_in_the_readme_layout():
+    names = [path.name for path in PACKAGE.glob("*.py") if not path.name.startswith("__")]
+    names += [f"{package}/" for package in PACKAGES]
+    layout = layout_section((REPO / "README.md").read_text())
+    missing = missing_from_layout(sorted(names), layout)
+    assert missing == [], f"README.md's Layout has no line for ddpcli/{', ddpcli/'.join(missing)}"
+
+
+def documents() -> list[Path]:
+    """What readers follow to the code: the README, the docs, the examples, the benchmarks."""
+    found = [REPO / "README.md", *(REPO / "docs").glob("*.md")]
+    for folder in ("examples", "benchmarks"):
+        found += [path for path in (REPO / folder).rglob("*") if path.suffix in (".py", ".sh")]
+    return sorted(found)
+
+
+def names_defined(source: Path) -> set[str]:
+    """The names a module defines or imports at its top level (inside if/try too)."""
+    names, nodes = set(), list(ast.parse(source.read_text()).body)
+    while nodes:
+        node = nodes.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                names |= {leaf.id for leaf in ast.walk(target) if isinstance(leaf, ast.Name)}
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names |= {(alias.asname or alias.name).split(".")[0] for alias in node.names}
+        elif isinstance(node, (ast.If, ast.Try)):
+            nodes += [*node.body, *node.orelse, *getattr(node, "finalbody", [])]
+            nodes += [child for handler in getattr(node, "handlers", []) for child in handler.body]
+    return names
+
+
+def resolves(dotted: str) -> bool:
+    """Whether `ddpcli.a.b` (or `ddpcli.a.b.name`) names a module of the package (and a name
+    that module defines), read from the source without importing it."""
+    names = dotted.split(".")
+    for end in range(len(names), 0, -1):
+        base = REPO.joinpath(*names[:end])
+        source = base / "__init__.py" if base.is_dir() else base.with_suffix(".py")
+        if source.is_file():
+            return end == len(names) or names[end] in names_defined(source)
+    return False
+
+
+def named_in(text: str, is_python: bool) -> list[str]:
+    """The paths (`ddpcli/launcher/resolve.py`) and import paths (`ddpcli.dist.zero_first`)
+    a document names; a Python file's `from ddpcli.x import y` names `ddpcli.x.y`."""
+    found = re.findall(r"(?<![\w.-])ddpcli/(?!ddpcli/)[\w/]*\w(?:\.py)?", text)
+    found += re.findall(r"(?<![\w./-])ddpcli(?:\.(?!md\b|py\b)\w+)+", text)
+    if is_python:
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("ddpcli"):
+                found += [f"{node.module}.{alias.name}" for alias in node.names]
+    return found
+
+
+def missing_names(text: str, is_python: bool = False) -> list[str]:
+    return [
+        name
+        for name in named_in(text, is_python)
+        if not ((REPO / name).exists() if "/" in name else resolves(name))
+    ]
+
+
+def test_a_path_that_no_longer_exists_is_found():
+    text = (
+        "see `ddpcli/launcher/resolve.py`, ddpcli/resolve.py, ddpcli/launcher/, ddpcli.dist,\n"
+        'ddpcli.dist.zero_first and ddpcli.dist.zero_last; File "/opt/ddpcli/ddpcli/data.py"'
+    )
+    assert missing_names(text) == ["ddpcli/resolve.py", "ddpcli/data.py", "ddpcli.dist.zero_last"]
+    code = "from ddpcli.models.build import build_model, build_modle\nfrom ddpcli.archs import x\n"
+    assert missing_names(code, is_python=True) == [
+        "ddpcli.archs", "ddpcli.models.build.build_modle", "ddpcli.archs.x",
+    ]  # fmt: skip
+
+
+def test_the_paths_the_docs_name_exist():
+    missing = {
+        str(path.relative_to(REPO)): found
+        for path in documents()
+        if (found := missing_names(path.read_text(), is_python=path.suffix == ".py"))
+    }
+    assert missing == {}, f"these name no file (or no name) of ddpcli any more: {missing}"
+
+
+def module_level_reach(start: str) -> set[str]:
+    """The modules that importing START runs: its module-level imports, their packages'
+    __init__ files, and theirs in turn."""
+    graph = import_graph(module_level_only=True)
+    reached, todo = set(), [start]
+    while todo:
+        name = todo.pop()
+        if name not in reached:
+            reached.add(name)
+            parents = [".".join(name.split(".")[:end]) for end in range(1, name.count(".") + 1)]
+            todo += [*graph[name], *parents]
+    return reached
+
+
+def test_the_light_module_lists_name_modules_that_exist():
+    modules = {module_name(path) for path in PACKAGE.rglob("*.py")}
+    assert {*LIGHT_PACKAGES, *LIGHT_MODULES} - modules == set()
+
+
 def light_modules() -> list[Path]:
+    reached_by_help = module_level_reach("ddpcli.__main__")
     paths = []
     for path in PACKAGE.rglob("*.py"):
         name = module_name(path)
-        if name in (*LIGHT_MODULES, *PLOT_MODULES) or name.startswith(LIGHT_PACKAGES):
+        listed = name in LIGHT_MODULES or name.startswith(LIGHT_PACKAGES)
+        if listed or name in reached_by_help:
             paths.append(path)
     return sorted(paths)
 

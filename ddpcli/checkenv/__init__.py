@@ -1,7 +1,9 @@
 """`ddpcli check-env`: what a person runs on every node before a multi-GPU or multi-node
 job, so that the job does not hang at init.
 
-Imports run one way, and nothing here imports torch at module level (the CLI stays quick):
+May import launcher/ (resolve's GPU check; the probe gathers its nodes by rollcall), config/,
+environments/ and the shared top-level modules. Imports run one way, and nothing here imports
+torch at module level (the CLI stays quick):
 
     facts, network   read this node once (torch, nvidia-smi, `ip`, the environment)
     checks           turn facts + options into rows (network_checks: the network's rows)

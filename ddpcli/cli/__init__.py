@@ -1,8 +1,10 @@
 """The command line: one module per command, each a thin layer from flags to a validated
 config to the engine. `app` holds the Typer app and the error funnel; `options` builds the
-options from the config schemas. Importing this package registers every command.
+options from the config schemas; `train_options` declares `train`'s, one module per help
+panel. Importing this package registers every command.
 
-Nothing here imports torch at module level: `ddpcli --help` answers at once.
+May import any part of ddpcli; no other part imports it. Nothing here imports torch at
+module level: `ddpcli --help` answers at once.
 """
 
 from __future__ import annotations
@@ -11,12 +13,12 @@ import os
 import sys
 from collections.abc import MutableMapping
 
-from ddpcli.cli import barrier, checkenv, checkpoint, launch, plot, train
+from ddpcli.cli import barrier, checkenv, checkpoint, data, launch, plot, train
 from ddpcli.cli.app import app
 
 __all__ = [
-    "adopt_legacy_local_rank", "app", "barrier", "checkenv", "checkpoint", "launch", "main",
-    "plot", "train",
+    "adopt_legacy_local_rank", "app", "barrier", "checkenv", "checkpoint", "data", "launch",
+    "main", "plot", "train",
 ]  # fmt: skip
 
 LEGACY_LOCAL_RANK = ("--local-rank", "--local_rank")

@@ -1,7 +1,10 @@
 """The validated configuration of each command, one module per command, built in one place
 from flags (and, for `train`, a recipe): `common` holds what they share.
 
-Only pydantic and ddpcli.errors are imported here: `--help` and `--dry-run` stay light.
+May import environments/ (torchrun's PET_ variables as flag defaults), models/ (the names
+`--arch` accepts, from models.archs) and the shared top-level modules; what it imports at
+module level (pydantic, errors, factories, models.archs) never imports torch: `--help` and
+`--dry-run` stay light.
 """
 
 from ddpcli.config.barrier import BarrierConfig, build_barrier_config

@@ -3,6 +3,8 @@
 Each launcher environment is one module with a `detect(environ)` that returns this process's
 place in the world, or None when that launcher did not start it. `read_launcher_env` asks
 them in order; the first that answers wins. Nothing else in ddpcli reads these variables.
+
+May import only ddpcli.errors: dist and every package above it take the world from here.
 """
 
 from __future__ import annotations
