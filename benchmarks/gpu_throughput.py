@@ -51,7 +51,7 @@ from _bounded import run_bounded
 
 ROOT = Path(__file__).resolve().parent.parent
 PEERS = Path(__file__).resolve().parent / "peers"
-WARMUP_STEPS = 3  # ddpcli.training.train.TIMING_WARMUP_STEPS; the peers use the same
+WARMUP_STEPS = 3  # ddpcli.training.metrics.TIMING_WARMUP_STEPS; the peers use the same
 LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
                       "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")  # fmt: skip
 # Dense (not sparse: the datasheets' headline figures are twice these) bf16 tensor-core

@@ -53,7 +53,7 @@ from _bounded import run_bounded
 
 ROOT = Path(__file__).resolve().parent.parent
 PEERS = Path(__file__).resolve().parent / "peers"
-WARMUP_STEPS = 3  # ddpcli.training.train.TIMING_WARMUP_STEPS; the peers use the same
+WARMUP_STEPS = 3  # ddpcli.training.metrics.TIMING_WARMUP_STEPS; the peers use the same
 LAUNCHER_VARIABLES = (
     "RANK",
     "WORLD_SIZE",

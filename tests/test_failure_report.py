@@ -16,7 +16,7 @@ HOST = socket.gethostname()
 TIMED_OUT = "[../gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 5000ms"
 LOST = "[../gloo/transport/tcp/pair.cc:561] Connection closed by peer [10.0.0.2]:4803"
 WAITING = (
-    f"{STOPPED_FOR_PEER} while waiting at ddpcli/training/train.py:120 in step(): loss.backward()"
+    f"{STOPPED_FOR_PEER} while waiting at ddpcli/training/loop.py:120 in step(): loss.backward()"
 )
 BUSY = f"{STOPPED_FOR_PEER} while busy at ddpcli/data/loader.py:88 in __iter__(): next(it)"
 
@@ -69,7 +69,7 @@ def test_a_node_that_only_suffered_says_where_its_stopped_ranks_were(failure):
     lines = report(failure(ranks))
     assert lines[0] == f"rank 4 on {HOST} stopped first: exit code 1 (then ranks 5, 6, 7 stopped)"
     assert lines[-2:] == [
-        "  when stopped, ranks 5, 7 were at ddpcli/training/train.py:120 in step(): "
+        "  when stopped, ranks 5, 7 were at ddpcli/training/loop.py:120 in step(): "
         "loss.backward()",
         "  when stopped, rank 6 was at ddpcli/data/loader.py:99 in __iter__(): next(it)",
     ]

@@ -23,7 +23,7 @@ from ddpcli.dist import DistContext
 from ddpcli.environments import LauncherEnv
 from ddpcli.errors import DdpcliError
 from ddpcli.launcher import resolve
-from ddpcli.training import strategy, train, worker
+from ddpcli.training import header, parts, strategy, worker
 
 META = torch.device("meta")  # a device that is not the host: every copy to it is visible
 
@@ -220,19 +220,19 @@ def restore_float32_math():
 def test_fp32_on_cuda_uses_tf32_and_says_so(restore_float32_math, gpu_of_capability):
     gpu_of_capability((8, 0))
     torch.set_float32_matmul_precision("highest")  # torch's default: IEEE fp32 matmuls
-    train.configure_cuda_math("fp32", torch.device("cuda", 0))  # sets flags only: no GPU needed
+    parts.configure_cuda_math("fp32", torch.device("cuda", 0))  # sets flags only: no GPU needed
     assert torch.get_float32_matmul_precision() == "high"
     assert torch.backends.cudnn.allow_tf32
-    text = train.describe_precision("fp32", torch.device("cuda", 0))
+    text = header.describe_precision("fp32", torch.device("cuda", 0))
     assert text == "fp32 (TF32 tensor cores in matmuls and convolutions)"
 
 
 @pytest.mark.parametrize("precision,device_type", [("bf16", "cuda"), ("fp32", "cpu")])
 def test_tf32_only_where_fp32_runs_on_cuda(restore_float32_math, precision, device_type):
     torch.set_float32_matmul_precision("highest")
-    train.configure_cuda_math(precision, torch.device(device_type))
+    parts.configure_cuda_math(precision, torch.device(device_type))
     assert torch.get_float32_matmul_precision() == "highest"
-    assert train.describe_precision(precision, torch.device(device_type)) == precision
+    assert header.describe_precision(precision, torch.device(device_type)) == precision
 
 
 @pytest.mark.gpu
@@ -329,7 +329,7 @@ def test_auto_precision_is_bf16_only_from_compute_capability_8(
 @pytest.mark.parametrize(("capability", "note"), [((7, 0), False), ((7, 5), False), ((8, 0), True)])
 def test_the_tf32_note_is_only_for_gpus_with_tf32(gpu_of_capability, capability, note):
     gpu_of_capability(capability)
-    text = train.describe_precision("fp32", torch.device("cuda", 0))
+    text = header.describe_precision("fp32", torch.device("cuda", 0))
     assert ("TF32 tensor cores" in text) is note
     assert text == ("fp32 (TF32 tensor cores in matmuls and convolutions)" if note else "fp32")
 

@@ -98,7 +98,7 @@ def test_non_finite_weights_are_never_saved(tmp_path, bad):
     from test_speed_paths import context, pipeline, tiny_config
 
     from ddpcli.errors import DdpcliError
-    from ddpcli.training.train import Trainer
+    from ddpcli.training.loop import Trainer
     from ddpcli.training.worker import finalize_for_device
 
     ctx = context()
@@ -120,7 +120,7 @@ def in_process_trainer(tmp_path: Path, **overrides):
     """One CPU rank without a process group: the Trainer exactly as a worker builds it."""
     from test_speed_paths import context, pipeline, tiny_config
 
-    from ddpcli.training.train import Trainer
+    from ddpcli.training.loop import Trainer
     from ddpcli.training.worker import finalize_for_device
 
     ctx = context()
@@ -141,10 +141,24 @@ def test_each_step_divides_by_the_micro_batches_it_holds(
 ):
     # 24 images in batches of 8: three micro-batches per epoch.
     trainer = in_process_trainer(tmp_path, synthetic_size=24, accumulate=accumulate)
-    assert trainer.micro_total == 3
-    assert [trainer.micro_batches_in_step(batch) for batch in (1, 2, 3)] == per_step
-    assert trainer.global_batch == global_batch
-    assert note in trainer.accumulation_note() and bool(note) == bool(trainer.accumulation_note())
+    schedule = trainer.schedule
+    assert schedule.micro_total == 3
+    assert [schedule.micro_batches_in_step(trainer.state, batch) for batch in (1, 2, 3)] == per_step
+    assert schedule.global_batch == global_batch
+    assert note in schedule.accumulation_note() and bool(note) == bool(schedule.accumulation_note())
+
+
+def test_the_header_says_where_a_max_steps_stop_falls_on_the_schedule(tmp_path, capsys):
+    """The schedule spans --epochs whatever --max-steps says; the header says both ends."""
+    # 24 images in batches of 8, 4 epochs: three steps per epoch, twelve in the schedule.
+    stopped = in_process_trainer(tmp_path, synthetic_size=24, epochs=4, max_steps=5)
+    stopped.announce()
+    header = capsys.readouterr().err
+    assert "cosine decay to 0 at step 12; --max-steps stops at step 5\n" in header
+    for max_steps in (None, 12, 20):  # no stop before the schedule's end: nothing to say
+        in_process_trainer(tmp_path, synthetic_size=24, epochs=4, max_steps=max_steps).announce()
+        header = capsys.readouterr().err
+        assert "cosine decay to 0 at step 12\n" in header and "stops at" not in header
 
 
 def test_accumulate_beyond_the_epoch_trains_as_the_micro_batches_there(tmp_path):
@@ -205,6 +219,7 @@ def test_a_max_steps_stop_inside_an_epoch_is_finished_exactly_by_a_resume(tmp_pa
     train_two_step_epochs(reference)
     stopped = train_two_step_epochs(out, "--max-steps", "3")  # one step into epoch 2
     assert "epoch 2/2, stopped by --max-steps 3 after batch 1 of 2" in stopped.stderr
+    assert "cosine decay to 0 at step 4; --max-steps stops at step 3\n" in stopped.stderr
     metrics = strict_lines(out / "metrics.jsonl")
     assert [(m["epoch"], m["step"], m.get("partial")) for m in metrics] == [
         (1, 2, None),
@@ -257,7 +272,7 @@ def test_a_max_steps_stop_inside_an_epoch_records_the_measured_images_per_sec(tm
 
 def test_a_rate_that_was_not_measured_is_shown_as_none_not_zero():
     from ddpcli.dist import DistContext
-    from ddpcli.training.train import StepTimer
+    from ddpcli.training.metrics import StepTimer
 
     ctx = DistContext(0, 0, 1, 1, 0, torch.device("cpu"), "gloo")
     timer = StepTimer(torch.device("cpu"), planned_steps=8)

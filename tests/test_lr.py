@@ -15,7 +15,7 @@ from ddpcli.checkpoint.schema import resume_warnings, world_change_line
 from ddpcli.config import TrainConfig, build_train_config
 from ddpcli.config.train import describe_lr, scaled_lr
 from ddpcli.errors import DdpcliError
-from ddpcli.training.train import use_peak_lr, warmup_cosine
+from ddpcli.training.schedule import use_peak_lr, warmup_cosine
 
 
 @pytest.mark.parametrize(

@@ -15,8 +15,8 @@ from ddpcli.data.sets import load_splits
 from ddpcli.dist import DistContext
 from ddpcli.errors import DdpcliError
 from ddpcli.launcher.resolve import resolve_train_config
+from ddpcli.training.loop import Trainer
 from ddpcli.training.strategy import balanced_split, dataparallel_split
-from ddpcli.training.train import Trainer
 from ddpcli.training.worker import finalize_for_device
 
 TINY = ["--arch", "tinycnn", "--image-size", "16", "--per-gpu-batch", "16"]

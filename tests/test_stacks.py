@@ -27,7 +27,7 @@ def test_the_place_is_the_innermost_line_of_ours_and_waiting_means_a_collective_
 ):
     record = (SITE / "torch/distributed/elastic/multiprocessing/errors/__init__.py", 355, "wrapper")
     worker = (PACKAGE / "training" / "worker.py", 190, "main")
-    loop = (PACKAGE / "training" / "train.py", 120, "train_step")
+    loop = (PACKAGE / "training" / "loop.py", 120, "train_step")
     backward = (SITE / "torch/autograd/__init__.py", 1, "backward")
     ddp_forward = (SITE / "torch/nn/parallel/distributed.py", 1, "forward")
     sleep = (STDLIB / "queue.py", 1, "get")
@@ -43,7 +43,7 @@ def test_the_place_is_the_innermost_line_of_ours_and_waiting_means_a_collective_
         place, found_waiting = stacks.main_thread_now()
         assert place is not None and place["function"] == "train_step", name
         assert found_waiting is waiting, name
-        assert stacks.place_in_words(place) == "ddpcli/training/train.py:120 in train_step()", name
+        assert stacks.place_in_words(place) == "ddpcli/training/loop.py:120 in train_step()", name
 
 
 def test_the_main_thread_is_read_from_another_thread():

@@ -12,7 +12,7 @@ optimizer step alone, per implementation, on one rank.
 
 Variants are '+'-joined tokens:
   peer      DDP defaults, SGD(momentum, weight_decay) with torch's default implementation
-  ddpcli    what ddpcli.training.train builds: gradient_as_bucket_view, nesterov, decay on weights
+  ddpcli    what ddpcli.training.parts builds: gradient_as_bucket_view, nesterov, decay on weights
             only, foreach=True
   fused     as ddpcli, with fused=True
   cl        channels_last model and input

@@ -322,7 +322,7 @@ def check_finite_payload(payload: dict[str, Any], path: Path) -> None:
         )
 
 
-# The class of the optimizer each --optimizer value builds (ddpcli.training.train.make_optimizer).
+# The class of the optimizer each --optimizer value builds (ddpcli.training.parts.make_optimizer).
 OPTIMIZER_FLAGS = {"SGD": "sgd", "AdamW": "adamw"}
 
 

@@ -50,6 +50,7 @@ from ddpcli.process import (
     recorded,
 )
 from ddpcli.records import AGREED_STOP_FILE, LATER_ROUND_FILE, PEER_FAILED_FILE
+from ddpcli.training.loop import Trainer
 from ddpcli.training.precision import (
     auto_cpu_precision,
     auto_gpu_precision,
@@ -64,7 +65,6 @@ from ddpcli.training.stopping import (
     wait_if_terminating,
     was_interrupted,
 )
-from ddpcli.training.train import Trainer
 
 
 def finalize_for_device(cfg: TrainConfig, ctx: DistContext) -> TrainConfig:
