@@ -69,8 +69,7 @@ def test_a_node_that_only_suffered_says_where_its_stopped_ranks_were(failure):
     lines = report(failure(ranks))
     assert lines[0] == f"rank 4 on {HOST} stopped first: exit code 1 (then ranks 5, 6, 7 stopped)"
     assert lines[-2:] == [
-        "  when stopped, ranks 5, 7 were at ddpcli/training/loop.py:120 in step(): "
-        "loss.backward()",
+        "  when stopped, ranks 5, 7 were at ddpcli/training/loop.py:120 in step(): loss.backward()",
         "  when stopped, rank 6 was at ddpcli/data/loader.py:99 in __iter__(): next(it)",
     ]
 
