@@ -34,6 +34,9 @@ from _bounded import run_bounded
 ROOT = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
 DDPCLI = [PYTHON, "-m", "ddpcli"]
+# The `gpu`-marked tests, one at a time (each may want the whole GPU).
+GPU_TESTS = [PYTHON, "-m", "pytest", "-q", "-m", "gpu", "-n", "0", "-p", "no:cacheprovider",
+             str(ROOT / "tests")]  # fmt: skip
 MIN_STEP_S = 10  # a step given less than this could not even start its workers
 TRAIN_SHAPE = [
     "--arch",
@@ -123,19 +126,7 @@ def plan(out: Path, gpus: int) -> list[Step]:
     steps = [
         Step(
             "pytest -m gpu",
-            [
-                PYTHON,
-                "-m",
-                "pytest",
-                "-q",
-                "-m",
-                "gpu",
-                "-n",
-                "0",
-                "-p",
-                "no:cacheprovider",
-                str(ROOT / "tests"),
-            ],
+            GPU_TESTS,
             150,
             pytest_figure,
         ),
@@ -228,20 +219,7 @@ def missing_flags(steps: list[Step]) -> list[str]:
 def missing_gpu_tests() -> list[str]:
     """The `gpu`-marked tests must exist even where they skip: collect them."""
     collected = subprocess.run(
-        [
-            PYTHON,
-            "-m",
-            "pytest",
-            "--collect-only",
-            "-q",
-            "-m",
-            "gpu",
-            "-n",
-            "0",
-            "-p",
-            "no:cacheprovider",
-            str(ROOT / "tests"),
-        ],
+        [*GPU_TESTS[:3], "--collect-only", *GPU_TESTS[3:]],
         capture_output=True,
         text=True,
         cwd=ROOT,
