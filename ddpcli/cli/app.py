@@ -29,7 +29,7 @@ app = App(
 checkpoint_app = App(help="Inspect, verify and convert checkpoints, safely.", no_args_is_help=True)
 app.add_typer(checkpoint_app, name="checkpoint")
 data_app = App(
-    help="Pack a data set into tar shards (WebDataset format); verify them.",
+    help="Pack a data set into tar shards, and verify them.",
     no_args_is_help=True,
 )
 app.add_typer(data_app, name="data")
