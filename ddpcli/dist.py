@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from ddpcli import ui
 from ddpcli.environments import LauncherEnv
+from ddpcli.environments.world import DEFAULT_MASTER_PORT
 from ddpcli.errors import STOPPED_FOR_PEER, first_line, runtime_error, usage_error
 
 
@@ -87,7 +88,7 @@ def init_distributed(
         init_method = None  # the default spelled out: keep its per-restart store below
     if init_method is None and env.launcher == "slurm":
         # srun sets no MASTER_ADDR/PORT; the address comes from SLURM_NODELIST.
-        init_method = f"tcp://{env.master_addr}:{env.master_port or 29500}"
+        init_method = f"tcp://{env.master_addr}:{env.master_port or DEFAULT_MASTER_PORT}"
     if env.world_size > 1 or init_method or group_of_one:
         # TORCH_NCCL_ASYNC_ERROR_HANDLING stays as the launcher left it. Either way a timed-out
         # collective ends the rank: torch's default (3) ends it without ncclCommAbort, which

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from ddpcli.config import BarrierConfig
 from ddpcli.dist import DistContext
 from ddpcli.environments import LauncherEnv
+from ddpcli.environments.world import DEFAULT_MASTER_PORT
 from ddpcli.errors import RUNTIME, DdpcliError, first_line, usage_error
 
 CLOCK_ROUNDS = 16  # round trips per rank; the fastest one gives the offset
@@ -53,7 +54,8 @@ class ArrivalBoard:
     def __init__(self, env: LauncherEnv, timeout_s: float):
         if not env.master_addr:
             raise usage_error("MASTER_ADDR must be set for bench-barrier (and MASTER_PORT)")
-        port = env.master_port or 29500  # where ddpcli.dist puts the store under SLURM
+        # Where ddpcli.dist puts the store under SLURM.
+        port = env.master_port or DEFAULT_MASTER_PORT
         store = dist.TCPStore(
             env.master_addr, port, is_master=False, timeout=timedelta(seconds=timeout_s)
         )

@@ -16,9 +16,10 @@ from ddpcli.checkenv.facts import (
 )
 from ddpcli.checkenv.network_checks import network_rows, port_rows
 from ddpcli.checkenv.report import Report, Row, fail, in_section, ok, warn
-from ddpcli.config.checkenv import DEFAULT_MASTER_PORT, CheckEnvOptions
+from ddpcli.config.checkenv import CheckEnvOptions
 from ddpcli.config.train import build_train_config
 from ddpcli.environments.pods import pet_variables
+from ddpcli.environments.world import DEFAULT_MASTER_PORT
 from ddpcli.errors import DdpcliError, first_line
 from ddpcli.launcher.resolve import gpus_torch_cannot_use
 from ddpcli.machine import check_interface

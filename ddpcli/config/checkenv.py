@@ -10,9 +10,8 @@ from typing import Any
 from pydantic import Field, model_validator
 
 from ddpcli.config.common import Backend, CommandConfig, check_node_rank, given, validated
+from ddpcli.environments.world import DEFAULT_MASTER_PORT
 from ddpcli.errors import usage_error
-
-DEFAULT_MASTER_PORT = 29500  # torchrun's default: the port a run uses unless told otherwise
 
 
 def is_loopback(host: str) -> bool:

@@ -22,6 +22,7 @@ import re
 from collections.abc import Mapping
 
 from ddpcli.environments.world import (
+    DEFAULT_MASTER_PORT,
     LauncherEnv,
     rank_below,
     set_variables,
@@ -126,4 +127,4 @@ def master_port(env: Mapping[str, str]) -> int:
     if port is not None:
         return port
     job_id = env.get("SLURM_JOB_ID", "")
-    return 15000 + int(job_id) % 10000 if job_id.isdigit() else 29500
+    return 15000 + int(job_id) % 10000 if job_id.isdigit() else DEFAULT_MASTER_PORT

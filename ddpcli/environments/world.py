@@ -11,6 +11,8 @@ from ddpcli.errors import usage_error
 
 # Launchers that start their workers only once the world has formed (torchrun's agent, ours):
 # the others' workers are what waits for the whole world to come.
+# torchrun's default master port: where a job meets unless told otherwise.
+DEFAULT_MASTER_PORT = 29500
 FORMED_BY_AN_AGENT = ("elastic",)
 NAMES = {"slurm": "SLURM's srun", "env": "a launcher's env:// variables", "elastic": "torchrun"}
 
@@ -44,7 +46,7 @@ class LauncherEnv(BaseModel):
         formed it (its workers meet at once) or the world is this one process."""
         if self.launcher in FORMED_BY_AN_AGENT or self.world_size == 1:
             return None
-        place = init_method or f"{self.master_addr}:{self.master_port or 29500}"
+        place = init_method or f"{self.master_addr}:{self.master_port or DEFAULT_MASTER_PORT}"
         return (
             f"rank {self.rank} of {self.world_size}, from {self.describe()}: waiting up to "
             f"{timeout_s:g} s (--timeout) for the others at {place}"

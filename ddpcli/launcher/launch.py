@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from ddpcli import ui
 from ddpcli.config import BarrierConfig, ScriptLaunchConfig, TrainConfig
 from ddpcli.environments import LauncherEnv, read_launcher_env
+from ddpcli.environments.world import DEFAULT_MASTER_PORT
 from ddpcli.errors import (
     INTERRUPTED,
     RUNTIME,
@@ -64,7 +65,6 @@ if TYPE_CHECKING:  # torch is imported where a launch needs it, not with this mo
 
 WORKER_MODULE = "ddpcli.training.worker"
 BARRIER_WORKER_MODULE = "ddpcli.barrier.worker"
-DEFAULT_MASTER_PORT = 29500  # torchrun's, as in ddpcli.launcher.resolve
 
 
 def launch_train(cfg: TrainConfig, debug: bool = False) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from ddpcli.config import TrainConfig
 from ddpcli.config.common import elastic_rendezvous
 from ddpcli.data.layout import STL10_SIDE, check_data_source, resize_side, training_augment
 from ddpcli.environments import LauncherEnv, check_meeting_place, left_aside
+from ddpcli.environments.world import DEFAULT_MASTER_PORT
 from ddpcli.errors import DdpcliError, usage_error
 from ddpcli.files import folder_write_problem
 from ddpcli.machine import (
@@ -28,7 +29,6 @@ from ddpcli.models.archs import check_arch
 from ddpcli.outputs.tbwriter import INSTALL_HINT, tensorboard_installed
 from ddpcli.training.precision import auto_cpu_precision, native_cpu_bf16
 
-DEFAULT_MASTER_PORT = 29500  # torchrun's
 # The side each data set is trained at unless --image-size says otherwise.
 NATIVE_IMAGE_SIZE = {"synthetic": 32, "stl10": STL10_SIDE}
 IMAGEFOLDER_SIZE = {"gpu": 224, "cpu": 64}

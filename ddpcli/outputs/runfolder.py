@@ -25,8 +25,8 @@ from pathlib import Path
 
 from ddpcli import ui
 from ddpcli.config import TrainConfig
-from ddpcli.config.checkenv import DEFAULT_MASTER_PORT
 from ddpcli.environments import LauncherEnv, restarted_by
+from ddpcli.environments.world import DEFAULT_MASTER_PORT
 from ddpcli.errors import usage_error
 from ddpcli.outputs.steplog import TENSORBOARD_DIR, read_rows
 
