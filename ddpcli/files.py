@@ -18,8 +18,9 @@ from typing import Any, BinaryIO
 HASH_CHUNK = 1 << 20
 
 
-class _HashingWriter:
-    """A file wrapper that hashes what torch.save writes, so the SHA-256 costs no re-read."""
+class HashingWriter:
+    """A file wrapper that hashes what is written through it (torch.save, tarfile), so the
+    SHA-256 costs no re-read."""
 
     def __init__(self, handle: BinaryIO) -> None:
         self.handle = handle
@@ -36,6 +37,9 @@ class _HashingWriter:
 
     def flush(self) -> None:
         self.handle.flush()
+
+    def tell(self) -> int:  # tarfile asks where it starts
+        return self.handle.tell()
 
 
 def sha256_path(path: Path) -> Path:
@@ -134,7 +138,7 @@ def atomic_save(obj: Any, path: Path) -> str:
     os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; checkpoints are ordinary files
     try:
         with os.fdopen(fd, "wb") as handle:
-            writer = _HashingWriter(handle)
+            writer = HashingWriter(handle)
             try:
                 # torch.save takes any object with write() and flush(), as its docs say.
                 torch.save(obj, writer)  # type: ignore[arg-type]

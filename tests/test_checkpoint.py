@@ -143,7 +143,7 @@ import sys, time
 import torch
 from ddpcli import files
 
-class SlowWriter(files._HashingWriter):
+class SlowWriter(files.HashingWriter):
     def write(self, data):  # dribble the bytes out so the parent can kill us mid-file
         view = memoryview(data).cast("B")
         for start in range(0, len(view), 1 << 16):
@@ -152,7 +152,7 @@ class SlowWriter(files._HashingWriter):
             time.sleep(0.01)
         return len(view)
 
-files._HashingWriter = SlowWriter
+files.HashingWriter = SlowWriter
 files.atomic_save({"epoch": 2, "weights": torch.full((4_000_000,), 2.0)}, sys.argv[1])
 """
 

@@ -74,9 +74,8 @@ class TrainingParts:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     scaler: torch.amp.GradScaler
-    ema: Any = (
-        None  # ddpcli.training.ema.WeightAverage with --ema: its averaged weights are saved too
-    )
+    # ddpcli.training.ema.WeightAverage with --ema: its averaged weights are saved too.
+    ema: Any = None
 
 
 def training_payload(

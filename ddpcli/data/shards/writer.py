@@ -13,7 +13,7 @@ from pathlib import Path
 from ddpcli.data.shards import stl10
 from ddpcli.data.shards.index import ShardRecord
 from ddpcli.data.shards.sources import PackItem
-from ddpcli.files import file_sha256
+from ddpcli.files import HashingWriter
 
 # Hidden, and named by the writing process: a reader globbing *.tar never sees one, and a
 # pack that died leaves names the next pack recognises and removes.
@@ -59,15 +59,21 @@ def write_shard(task: ShardTask) -> ShardRecord:
     temporary = temporary_path(out, task.name)
     try:
         with open(temporary, "wb") as handle:
+            writer = HashingWriter(handle)
             # PAX: names past 100 characters and any UTF-8 kept whole, readable by any tar.
-            with tarfile.open(fileobj=handle, mode="w", format=tarfile.PAX_FORMAT) as tar:
+            # Writing, tarfile needs only write() and tell() of its file object.
+            with tarfile.open(
+                fileobj=writer,  # type: ignore[call-overload]
+                mode="w",
+                format=tarfile.PAX_FORMAT,
+            ) as tar:
                 for item in task.items:
                     add_member(tar, f"{item.key}.{item.suffix}", member_bytes(item))
                     add_member(tar, f"{item.key}.cls", str(item.label).encode())
             handle.flush()
             os.fsync(handle.fileno())
         record = ShardRecord(
-            task.name, len(task.items), temporary.stat().st_size, file_sha256(temporary)
+            task.name, len(task.items), temporary.stat().st_size, writer.sha256.hexdigest()
         )
         os.replace(temporary, out / task.name)
         return record
