@@ -19,6 +19,8 @@ Augment = Literal["rrc", "crop-flip", "none"]
 Sample = tuple[Path, int]  # an image file and its label
 
 STL10_SIDE = 96
+STL10_IMAGE_BYTES = 3 * STL10_SIDE * STL10_SIDE
+STL10_CLASSES = 10
 # torchvision's ImageFolder extensions, compared case-insensitively.
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".ppm", ".pgm", ".webp", ".tif", ".tiff"}
 
@@ -45,6 +47,36 @@ def stl10_present(data_dir: Path) -> bool:
     folder = stl10_dir(data_dir)
     names = ("train_X.bin", "train_y.bin", "test_X.bin", "test_y.bin")
     return all((folder / name).is_file() for name in names)
+
+
+def stl10_class_names(folder: Path) -> list[str]:
+    """`class_names.txt`'s ten names, or class0..class9 where it is missing or wrong."""
+    names_file = folder / "class_names.txt"
+    names = names_file.read_text().split() if names_file.is_file() else []
+    return names if len(names) == STL10_CLASSES else [f"class{i}" for i in range(STL10_CLASSES)]
+
+
+def stl10_labels(folder: Path, split: str) -> list[int]:
+    """SPLIT's labels, 0-based, one per image of SPLIT_X.bin (the official binary layout:
+    labels are bytes 1..10); exit 2 if the files are truncated or disagree."""
+    import numpy as np  # here: --help and a wrong --data-dir are answered without numpy
+
+    images_path, labels_path = folder / f"{split}_X.bin", folder / f"{split}_y.bin"
+    size = images_path.stat().st_size
+    if size == 0 or size % STL10_IMAGE_BYTES:
+        raise usage_error(
+            f"{images_path} is truncated or not STL-10 ({size} bytes is not a multiple of "
+            f"{STL10_IMAGE_BYTES}); delete it and fetch it again (ddpcli train --dataset stl10 "
+            "--download)"
+        )
+    labels = np.fromfile(labels_path, dtype=np.uint8).astype(np.int64) - 1
+    if len(labels) != size // STL10_IMAGE_BYTES:
+        raise usage_error(
+            f"{labels_path} has {len(labels)} labels for {size // STL10_IMAGE_BYTES} images"
+        )
+    if labels.min() < 0 or labels.max() >= STL10_CLASSES:
+        raise usage_error(f"{labels_path} holds labels outside 1..10: not STL-10")
+    return labels.tolist()
 
 
 # --- Image folders (ImageNet layout) ----------------------------------------------------

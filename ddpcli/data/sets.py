@@ -22,13 +22,16 @@ from ddpcli.config import TrainConfig
 from ddpcli.data.decode import UnreadableImage, read_rgb
 from ddpcli.data.layout import (
     IMAGE_SUFFIXES,
+    STL10_CLASSES,
     STL10_SIDE,
     Sample,
     check_imagefolder,
     folder_samples,
     listed,
     resize_side,
+    stl10_class_names,
     stl10_dir,
+    stl10_labels,
     stl10_missing,
     stl10_present,
     training_augment,
@@ -37,7 +40,6 @@ from ddpcli.dist import DistContext, all_gather_object, rank_zero_prepares
 from ddpcli.errors import USAGE, agreed_error, usage_error
 from ddpcli.files import atomic_save
 
-STL10_IMAGE_BYTES = 3 * STL10_SIDE * STL10_SIDE
 # In --out: the image files --skip-bad-images left out, one path a line.
 SKIPPED_IMAGES_FILE = "skipped_images.txt"
 
@@ -125,21 +127,12 @@ def download_stl10(data_dir: Path) -> None:
 def read_stl10_split(folder: Path, split: str) -> ImageSet:
     """The official binary layout: uint8 images, channel-major, each channel column-major;
     labels are bytes 1..10."""
-    images_path, labels_path = folder / f"{split}_X.bin", folder / f"{split}_y.bin"
-    raw = np.fromfile(images_path, dtype=np.uint8)
-    if raw.size == 0 or raw.size % STL10_IMAGE_BYTES:
-        raise usage_error(
-            f"{images_path} is truncated or not STL-10 ({raw.size} bytes is not a multiple of "
-            f"{STL10_IMAGE_BYTES}); delete it and pass --download"
-        )
-    labels = np.fromfile(labels_path, dtype=np.uint8).astype(np.int64) - 1
-    count = raw.size // STL10_IMAGE_BYTES
-    if len(labels) != count:
-        raise usage_error(f"{labels_path} has {len(labels)} labels for {count} images")
-    if labels.min() < 0 or labels.max() > 9:
-        raise usage_error(f"{labels_path} holds labels outside 1..10: not STL-10")
-    images = raw.reshape(count, 3, STL10_SIDE, STL10_SIDE).transpose(0, 1, 3, 2)
-    return ImageSet(torch.from_numpy(np.ascontiguousarray(images)), torch.from_numpy(labels))
+    labels = stl10_labels(folder, split)
+    raw = np.fromfile(folder / f"{split}_X.bin", dtype=np.uint8)
+    images = raw.reshape(len(labels), 3, STL10_SIDE, STL10_SIDE).transpose(0, 1, 3, 2)
+    return ImageSet(
+        torch.from_numpy(np.ascontiguousarray(images)), torch.tensor(labels, dtype=torch.int64)
+    )
 
 
 def stl10_splits(data_dir: Path, download: bool, ctx: DistContext) -> MemorySplits:
@@ -150,11 +143,8 @@ def stl10_splits(data_dir: Path, download: bool, ctx: DistContext) -> MemorySpli
             if ctx.is_main and not stl10_present(data_dir):
                 download_stl10(data_dir)
     folder = stl10_dir(data_dir)
-    names_file = folder / "class_names.txt"
-    names = names_file.read_text().split() if names_file.is_file() else []
-    names = names if len(names) == 10 else [f"class{i}" for i in range(10)]
     train, val = read_stl10_split(folder, "train"), read_stl10_split(folder, "test")
-    return MemorySplits(train, val, 10, names)
+    return MemorySplits(train, val, STL10_CLASSES, stl10_class_names(folder))
 
 
 # --- Image folders (ImageNet layout) ----------------------------------------------------

@@ -9,8 +9,15 @@ from dataclasses import dataclass
 from pathlib import Path, PurePath
 from urllib.parse import quote
 
-from ddpcli.data.layout import check_imagefolder, folder_samples, stl10_dir, stl10_present
-from ddpcli.data.shards import stl10
+from ddpcli.data.layout import (
+    STL10_IMAGE_BYTES,
+    check_imagefolder,
+    folder_samples,
+    stl10_class_names,
+    stl10_dir,
+    stl10_labels,
+    stl10_present,
+)
 from ddpcli.errors import usage_error
 
 TAR_BLOCK = 512
@@ -101,10 +108,10 @@ def check_unique_keys(items: list[PackItem], src: Path) -> None:
 
 def stl10_source(binary: Path) -> Source:
     """STL-10's train split, and its test split as `val` (as `ddpcli train` uses it)."""
-    classes = stl10.class_names(binary)
+    classes = stl10_class_names(binary)
     splits = {}
     for split, source_split in (("train", "train"), ("val", "test")):
-        labels = stl10.labels(binary, source_split)
+        labels = stl10_labels(binary, source_split)
         images = binary / f"{source_split}_X.bin"
         items = [
             PackItem(
@@ -112,7 +119,7 @@ def stl10_source(binary: Path) -> Source:
                 label=label,
                 path=str(images),
                 suffix="png",
-                size=stl10.IMAGE_BYTES,
+                size=STL10_IMAGE_BYTES,
                 stl10_index=number,
             )
             for number, label in enumerate(labels)
