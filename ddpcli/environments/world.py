@@ -9,10 +9,10 @@ from pydantic import BaseModel
 
 from ddpcli.errors import usage_error
 
-# Launchers that start their workers only once the world has formed (torchrun's agent, ours):
-# the others' workers are what waits for the whole world to come.
 # torchrun's default master port: where a job meets unless told otherwise.
 DEFAULT_MASTER_PORT = 29500
+# Launchers that start their workers only once the world has formed (torchrun's agent, ours):
+# the others' workers are what waits for the whole world to come.
 FORMED_BY_AN_AGENT = ("elastic",)
 NAMES = {"slurm": "SLURM's srun", "env": "a launcher's env:// variables", "elastic": "torchrun"}
 
