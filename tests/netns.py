@@ -39,6 +39,8 @@ class Host:
     address: str  # e.g. 192.0.2.1
     prefix: int  # e.g. 24
     ifname: str  # the veth end inside this namespace
+    # (namespace, name) of the veth's other end: the peer host's, or the bridge's port
+    peer: tuple[str, str] | None = None
 
     def command(self, *argv: str) -> list[str]:
         """`argv` run inside this host's namespace."""
@@ -76,8 +78,8 @@ def two_hosts(subnet: str = "192.0.2.0/24") -> Iterator[HostPair]:
     first, second = itertools.islice(network.hosts(), 2)
     stem = f"ddp{os.getpid()}n{next(_counter)}"
     hosts = (
-        Host(f"{stem}a", str(first), network.prefixlen, "veth0"),
-        Host(f"{stem}b", str(second), network.prefixlen, "veth1"),
+        Host(f"{stem}a", str(first), network.prefixlen, "veth0", peer=(f"{stem}b", "veth1")),
+        Host(f"{stem}b", str(second), network.prefixlen, "veth1", peer=(f"{stem}a", "veth0")),
     )
     created: list[str] = []
     try:
@@ -127,7 +129,7 @@ def bridged_hosts(count: int = 3, subnet: str = "192.0.2.0/24") -> Iterator[tupl
     stem = f"ddp{os.getpid()}s{next(_counter)}"
     switch = f"{stem}sw"
     hosts = tuple(
-        Host(f"{stem}{index}", str(address), network.prefixlen, "veth0")
+        Host(f"{stem}{index}", str(address), network.prefixlen, "veth0", (switch, f"port{index}"))
         for index, address in enumerate(addresses)
     )
     created: list[str] = []
@@ -140,8 +142,8 @@ def bridged_hosts(count: int = 3, subnet: str = "192.0.2.0/24") -> Iterator[tupl
             created.append(namespace)
         _ip("-n", switch, "link", "add", "br0", "type", "bridge")
         _ip("-n", switch, "link", "set", "br0", "up")
-        for index, host in enumerate(hosts):
-            port = f"port{index}"
+        for host in hosts:
+            port = host.peer[1]  # type: ignore[index]
             _ip("link", "add", host.ifname, "netns", host.namespace, "type", "veth",
                 "peer", "name", port, "netns", switch)  # fmt: skip
             _ip("-n", switch, "link", "set", port, "master", "br0")

@@ -22,7 +22,9 @@ LIGHT_PACKAGES = ("ddpcli.cli", "ddpcli.config", "ddpcli.environments", "ddpcli.
 LIGHT_MODULES = (
     "ddpcli.errors", "ddpcli.ui", "ddpcli.machine", "ddpcli.factories", "ddpcli.models.archs",
 )  # fmt: skip
-HEAVY = ("torch", "torchvision", "numpy", "matplotlib", "plotext", "tensorboard")
+HEAVY = (
+    "torch", "torchvision", "numpy", "matplotlib", "plotext", "tensorboard", "mlflow", "wandb",
+)  # fmt: skip
 
 
 def parts(names: str) -> set[str]:
@@ -57,10 +59,15 @@ ALLOWED_IMPORTS: dict[str, set[str]] = {
     # the two instruments start their ranks, and check the machine, as the launcher does
     "barrier": parts("errors shared environments config launcher"),
     "checkenv": parts("errors shared environments config launcher"),
+    # `ddpcli eval`: a checkpoint's model rebuilt (checkpoint, models), its data viewed as
+    # validation saw it (data), autocast as training ran (training), ranks started (launcher)
+    "evaluation": parts(
+        "errors shared environments config models data checkpoint training launcher"
+    ),
     # a command is a thin layer over the engine: it may call any part of it
     "cli": parts(
         "errors shared environments config models data outputs checkpoint training launcher "
-        "barrier checkenv"
+        "barrier checkenv evaluation"
     ),
 }
 

@@ -193,7 +193,8 @@ def test_train_help_shows_each_default_and_the_choices():
     lines = help_lines("train")
     batch = TrainConfig.model_fields["per_gpu_batch"].default
     assert f"[default: {batch}]" in option_row(lines, "--per-gpu-batch")  # 64
-    assert "[synthetic|stl10|imagefolder|pkg.module:factory]" in option_row(lines, "--dataset")
+    choices = "[synthetic|stl10|imagefolder|shards|pkg.module:factory]"
+    assert choices in option_row(lines, "--dataset")
     assert "[default: synthetic]" in option_row(lines, "--dataset")
     assert "[ddp|dp|balanced-dp]" in option_row(lines, "--strategy")
     assert "[linear|sqrt|none]" in option_row(lines, "--lr-scaling")
@@ -213,11 +214,11 @@ def test_train_help_shows_each_default_and_the_choices():
 
     for name in TrainConfig.model_fields:
         flag = FLAG_SPELLINGS.get(name, f"--{name.replace('_', '-')}")
-        # peak_lr, world_from, precision_reason, requested_accumulate: resolved, not given;
-        # min_nnodes: the MIN of --nnodes MIN:MAX; the others: debugging variables
+        # peak_lr, world_from, precision_reason, requested_accumulate, wandb_offline: resolved,
+        # not given; min_nnodes: the MIN of --nnodes MIN:MAX; the others: debugging variables
         settings = name not in (
             "trace_samples", "slow_data", "peak_lr", "world_from", "min_nnodes", "precision_reason",
-            "requested_accumulate",
+            "requested_accumulate", "wandb_offline",
         )  # fmt: skip
         if settings and flag not in flags_without_value:
             assert "[default: " in option_row(lines, flag), flag
@@ -243,7 +244,7 @@ def test_every_boolean_setting_of_train_has_its_no_form():
 
     lines = help_lines("train")
     for name, field in TrainConfig.model_fields.items():
-        if field.annotation is bool:
+        if field.annotation is bool and name != "wandb_offline":  # resolved, never given
             flag = name.replace("_", "-")
             assert f"--no-{flag}" in option_row(lines, f"--{flag}")
 

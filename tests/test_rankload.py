@@ -65,4 +65,7 @@ def test_a_rank_slowed_on_purpose_is_named(tmp_path):
     assert "slowest rank 1 (+" in result.stderr  # the step lines
     assert "rank 1 is the slowest" in result.stderr  # the epoch line and the summary
     assert "raise --workers or try --data-path device" in result.stderr
+    # The step breakdown (summary.json) names the same rank; no --profile-steps, no traces.
+    assert json.loads((out / "summary.json").read_text())["step_breakdown"]["slowest_rank"] == 1
+    assert not (out / "profile").exists()
     assert "data wait " in result.stderr and "compute per step, ms: 0: " in result.stderr

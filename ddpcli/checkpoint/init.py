@@ -1,11 +1,12 @@
 """`--init-from PATH`: start a run from someone's weights (fine-tuning), not from a resume.
 
 Only the model's tensors are taken, from a ddpcli checkpoint, a `ddpcli checkpoint convert`
-output or a plain state dict (loaded with weights_only=True); the step counter, optimiser
-and schedule start fresh. `--reset-head` leaves the final classifier as the model built it,
-for a data set with other classes. Missing and unexpected names are reported, not refused
-(a backbone without its head is the usual case); a shape that differs outside the head
-would silently train something else, so it is refused.
+output (a .safetensors file's header naming its classes too) or a plain state dict (loaded
+with weights_only=True); the step counter, optimiser and schedule start fresh.
+`--reset-head` leaves the final classifier as the model built it, for a data set with other
+classes; without it, a header that names another class count is refused. Missing and
+unexpected names are reported, not refused (a backbone without its head is the usual case);
+a shape that differs outside the head would silently train something else, so it is refused.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from ddpcli.checkpoint.loading import (
     safe_load,
     strip_ddp_prefix,
 )
+from ddpcli.checkpoint.safetensors_io import is_safetensors_file, read_safetensors
 from ddpcli.errors import USAGE, DdpcliError, usage_error
 
 SHOWN_NAMES = 6  # names listed per group; the rest are counted
@@ -38,6 +40,7 @@ class InitReport:
     missing: list[str] = field(default_factory=list)  # in the model, not in the file
     unexpected: list[str] = field(default_factory=list)  # in the file, not in the model
     reset: list[str] = field(default_factory=list)  # the head, left as built (--reset-head)
+    source_arch: str | None = None  # the arch a safetensors header names
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -49,7 +52,8 @@ class InitReport:
         }
 
     def line(self) -> str:
-        parts = [f"--init-from {self.path}: loaded {len(self.loaded)} tensors"]
+        of_arch = f" of {self.source_arch}" if self.source_arch else ""
+        parts = [f"--init-from {self.path}: loaded {len(self.loaded)} tensors{of_arch}"]
         for label, names in (
             ("reset (--reset-head)", self.reset),
             ("missing, left as built", self.missing),
@@ -130,18 +134,44 @@ def load_initial_weights(
     model: nn.Module, path: Path, num_classes: int, reset_head: bool, map_location: Any = "cpu"
 ) -> InitReport:
     try:
-        payload = safe_load(path, map_location=map_location)
+        source, metadata = read_initial_weights(path, map_location)
     except DdpcliError as error:
         if error.exit_code != USAGE:  # the device failed (out of memory), not the file
             raise
         raise usage_error(f"invalid --init-from: {error.message}") from None
-    source = model_state(payload)
+    if not reset_head:
+        check_class_count(metadata, num_classes, path)
+    report = fit_initial_weights(model, source, num_classes, reset_head, path)
+    report.source_arch = metadata.get("arch")
+    return report
+
+
+def read_initial_weights(path: Path, map_location: Any) -> tuple[dict[str, torch.Tensor], dict]:
+    """The model's tensors in PATH, and what its safetensors header says about them (arch,
+    classes; nothing for a .pt file, whose tensors speak for themselves)."""
+    if is_safetensors_file(path):
+        state, metadata = read_safetensors(path)
+        return {key: tensor.to(map_location) for key, tensor in state.items()}, metadata
+    source = model_state(safe_load(path, map_location=map_location))
     if source is None:
         raise usage_error(
-            f"invalid --init-from: {path} holds no model state dict; give a ddpcli checkpoint, a "
+            f"{path} holds no model state dict; give a ddpcli checkpoint, a "
             "`ddpcli checkpoint convert` output or a state dict saved with torch.save"
         )
-    return fit_initial_weights(model, source, num_classes, reset_head, path)
+    return source, {}
+
+
+def check_class_count(metadata: dict[str, Any], num_classes: int, path: Path) -> None:
+    """A header that names other classes than the data set has: say which, before shapes."""
+    saved = metadata.get("num_classes")
+    if not isinstance(saved, int) or saved == num_classes:
+        return
+    classes = metadata.get("classes")
+    named = f" ({listed([str(name) for name in classes])})" if isinstance(classes, list) else ""
+    raise usage_error(
+        f"invalid --init-from: {path} was trained on {saved} classes{named}, this data set has "
+        f"{num_classes}; add --reset-head to start the classifier afresh"
+    )
 
 
 def check_finite_weights(state: dict[str, torch.Tensor], path: Path) -> None:

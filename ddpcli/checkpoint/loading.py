@@ -209,6 +209,32 @@ def model_state(payload: Any) -> dict[str, torch.Tensor] | None:
     return None
 
 
+def ema_state(payload: Any) -> dict[str, torch.Tensor] | None:
+    """The EMA's averaged model (--ema) as a plain state dict, or None when the file has
+    none. AveragedModel keeps it under `module.` with its own `n_averaged` counter."""
+    saved = payload.get("ema") if isinstance(payload, dict) else None
+    if saved is None or not is_state_dict(saved):
+        return None
+    return {
+        key.removeprefix(DDP_PREFIX): tensor
+        for key, tensor in saved.items()
+        if key != "n_averaged"
+    }  # fmt: skip
+
+
+def deployed_state(payload: Any, weights: str | None) -> tuple[dict[str, torch.Tensor] | None, str]:
+    """The weights a user deploys and which they are: WEIGHTS "ema" or "raw", None for the
+    EMA's when the file holds one (best.pt follows it too), else the trained ones."""
+    averaged = ema_state(payload)
+    if weights == "ema" and averaged is None:
+        raise usage_error(
+            "invalid --weights ema: the checkpoint holds no EMA (trained without --ema)"
+        )
+    if weights != "raw" and averaged is not None:
+        return averaged, "ema"
+    return model_state(payload), "raw"
+
+
 def load_model_state(
     model: torch.nn.Module, state_dict: dict[str, torch.Tensor], path: Path
 ) -> None:

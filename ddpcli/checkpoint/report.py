@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from ddpcli.checkpoint.loading import (
+    deployed_state,
     has_ddp_prefix,
     iter_tensors,
     listed_briefly,
@@ -82,6 +83,7 @@ def training_summary(payload: dict[str, Any]) -> dict[str, Any]:
         "world_size": payload.get("world_size"),
         "arch": config.get("arch"),
         "num_classes": payload.get("num_classes"),
+        "classes": payload.get("classes"),  # None: saved before ddpcli recorded them
         "best_val_acc": payload.get("best_val_acc"),
         "resumable": all(key in payload for key in TRAINING_KEYS),
         "metrics": metrics,
@@ -214,16 +216,21 @@ def build_model_skeleton(
 
 
 def convert_checkpoint(
-    path: Path, out: Path, strip_prefix: bool = False, weights_only: bool = False
+    path: Path,
+    out: Path,
+    strip_prefix: bool = False,
+    weights_only: bool = False,
+    weights: str | None = None,
 ) -> dict[str, Any]:
     """A plain state dict (what `model.load_state_dict` takes), or with `weights_only` our
-    checkpoint without optimizer, scheduler and RNG state. Either way on the CPU."""
+    checkpoint without optimizer, scheduler and RNG state. Either way on the CPU. WEIGHTS
+    picks the EMA's or the trained ones (`deployed_state`: the EMA's when saved)."""
     path, out = Path(path), Path(out)
     if out.resolve() == path.resolve():
         raise usage_error(f"OUT must differ from PATH: converting {path} in place would lose it")
     check_writable_file(out)
     payload = safe_load(path, lazy=True)
-    state = model_state(payload)
+    state, which = deployed_state(payload, weights)
     if state is None:
         raise usage_error(f"{path} holds no model state dict to convert")
     if strip_prefix:
@@ -241,6 +248,7 @@ def convert_checkpoint(
         "path": str(path),
         "out": str(out),
         "layout": "weights-only checkpoint" if keep_metadata else "state dict",
+        "weights": which,
         "tensors": len(state),
         "parameters": count_parameters(state),
         "ddp_prefix": has_ddp_prefix(state),
@@ -275,11 +283,14 @@ def load_hint(
     out: Path,
     nested: bool,
     model_args: dict[str, Any] | None = None,
+    state: str | None = None,
 ) -> str:
-    """The plain-PyTorch line that loads the converted file."""
+    """The plain-PyTorch line that loads the converted file; STATE, the expression that
+    reads its state dict when that is not torch.load (safetensors)."""
     from ddpcli.models.build import BUILTIN_MODELS
 
-    state = f"torch.load({str(out)!r}, weights_only=True)" + ('["model"]' if nested else "")
+    if state is None:
+        state = f"torch.load({str(out)!r}, weights_only=True)" + ('["model"]' if nested else "")
     if arch and is_factory_spec(arch):  # the user's own factory: their import, their call
         spec = parse_factory_spec(arch, "--arch")
         keywords = "".join(f", {key}={value!r}" for key, value in (model_args or {}).items())

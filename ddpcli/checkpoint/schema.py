@@ -47,7 +47,7 @@ RESULT_SETTINGS = (
     "weight_decay", "warmup_epochs", "label_smoothing", "seed", "precision", "augment",
     "norm_weight_decay", "sync_bn", "ema", "ema_decay", "ema_steps", "mixup_alpha",
     "cutmix_alpha", "auto_augment", "random_erase", "ra_reps", "train_crop_size",
-    "val_resize_size", "val_crop_size",
+    "val_resize_size", "val_crop_size", "grad_compression", "powersgd_start_step",
 )  # fmt: skip
 
 
@@ -64,6 +64,12 @@ class TrainState:
     best_val_acc: float = -1.0
     history: list[dict[str, Any]] = field(default_factory=list)
     partial_sums: list[float] | None = None  # global [loss_sum, correct, count] mid-epoch
+    # --dataset shards, inside an epoch: the streams' pieces not yet trained and the epoch's
+    # plan (ddpcli.data.shards.plan), plain data; None elsewhere.
+    stream_position: dict[str, Any] | None = None
+    # Each experiment tracker's run id (`--tracker mlflow`: its MLflow run), set on rank 0:
+    # every resume continues those runs.
+    tracker_runs: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -76,12 +82,23 @@ class TrainingParts:
     scaler: torch.amp.GradScaler
     # ddpcli.training.ema.WeightAverage with --ema: its averaged weights are saved too.
     ema: Any = None
+    # ddpcli.training.compression.PowerSGD with --grad-compression powersgd: each rank's
+    # error feedback, Q memory and step count are saved too, by rank.
+    compression: Any = None
 
 
 def training_payload(
-    parts: TrainingParts, state: TrainState, cfg: TrainConfig, ctx: DistContext, num_classes: int
+    parts: TrainingParts,
+    state: TrainState,
+    cfg: TrainConfig,
+    ctx: DistContext,
+    num_classes: int,
+    classes: list[str] | None = None,
+    normalization: dict[str, list[float]] | None = None,
 ) -> dict[str, Any]:
-    """Everything a resume needs. Collective: every rank must call it (RNG states)."""
+    """Everything a resume needs, and what evaluation and export rebuild the model's view
+    from: CLASSES, the label order's names, and NORMALIZATION, the `mean` and `std` its
+    inputs were normalised with. Collective: every rank must call it (RNG states)."""
     return {
         "format": FORMAT,
         "model": parts.model.state_dict(),
@@ -89,6 +106,9 @@ def training_payload(
         "scheduler": parts.scheduler.state_dict(),
         "scaler": parts.scaler.state_dict() if parts.scaler.is_enabled() else None,
         "ema": parts.ema.state_dict() if parts.ema is not None else None,
+        "grad_compression": (
+            parts.compression.checkpoint_state(ctx) if parts.compression is not None else None
+        ),
         "epoch": state.epoch,
         "batch_in_epoch": state.batch_in_epoch,
         "epoch_start": state.epoch_start,
@@ -100,8 +120,12 @@ def training_payload(
         "best_val_acc": state.best_val_acc,
         "metrics": state.history,
         "partial_sums": state.partial_sums,
+        "stream_position": state.stream_position,
+        "tracker_runs": dict(state.tracker_runs),
         "world_size": ctx.world_size,
         "num_classes": num_classes,
+        "classes": list(classes) if classes is not None else None,
+        "normalization": normalization,
         "config": json.loads(cfg.model_dump_json()),
         "rng": gather_rng_states(ctx, capture_rng_state()),
     }
@@ -123,6 +147,10 @@ def restore_training(
         parts.ema.load_state_dict(payload.get("ema"), parts.model)
     if payload["world_size"] == ctx.world_size:
         restore_rng_state(payload["rng"][ctx.rank])
+    if parts.compression is not None:
+        note = parts.compression.resume(payload.get("grad_compression"), payload["step"], ctx)
+        if note and ctx.is_main:
+            ui.info(note)
     epoch_start, batch_in_epoch = resumed_position(payload, ctx.world_size, per_gpu_batch)
     return TrainState(
         epoch=payload["epoch"],
@@ -132,6 +160,8 @@ def restore_training(
         best_val_acc=payload["best_val_acc"],
         history=list(payload["metrics"]),
         partial_sums=payload.get("partial_sums"),
+        stream_position=payload.get("stream_position"),
+        tracker_runs=dict(payload.get("tracker_runs") or {}),
     )
 
 
@@ -149,7 +179,10 @@ def resumed_position(
 ) -> tuple[int, int]:
     """(epoch_start, batch_in_epoch) for the resumed run. The world and batch that saved the
     file skip the batches it trained (an exact resume, bit for bit); any other world is
-    dealt the rest of the epoch from its global sample offset."""
+    dealt the rest of the epoch from its global sample offset. Shards are always dealt
+    again, from their stream position (its pieces; the offset only counts them)."""
+    if payload.get("stream_position"):
+        return sample_offset(payload), 0
     saved_batch = int(payload["config"]["per_gpu_batch"])
     if payload["world_size"] == world_size and saved_batch == per_gpu_batch:
         return int(payload.get("epoch_start", 0)), int(payload["batch_in_epoch"])
@@ -158,7 +191,10 @@ def resumed_position(
 
 def weights_only_payload(payload: dict[str, Any], state: dict[str, torch.Tensor]) -> dict[str, Any]:
     """Our checkpoint without optimizer, scheduler and RNG state (`checkpoint convert`)."""
-    kept = ("format", "epoch", "step", "best_val_acc", "metrics", "config", "num_classes")
+    kept = (
+        "format", "epoch", "step", "best_val_acc", "metrics", "config", "num_classes", "classes",
+        "normalization",
+    )  # fmt: skip
     document = {key: payload[key] for key in kept if key in payload}
     document.update(model=state, weights_only=True, world_size=payload.get("world_size"))
     return document

@@ -13,12 +13,12 @@ import os
 import sys
 from collections.abc import MutableMapping
 
-from ddpcli.cli import barrier, checkenv, checkpoint, data, launch, plot, train
+from ddpcli.cli import barrier, checkenv, checkpoint, data, eval, launch, plot, train
 from ddpcli.cli.app import app
 
 __all__ = [
-    "adopt_legacy_local_rank", "app", "barrier", "checkenv", "checkpoint", "data", "launch",
-    "main", "plot", "train",
+    "adopt_legacy_local_rank", "app", "barrier", "checkenv", "checkpoint", "data", "eval",
+    "launch", "main", "plot", "train",
 ]  # fmt: skip
 
 LEGACY_LOCAL_RANK = ("--local-rank", "--local_rank")

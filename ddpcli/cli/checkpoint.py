@@ -7,7 +7,7 @@ table on stderr for people, one JSON document on stdout with `--json`.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -15,6 +15,9 @@ from ddpcli import ui
 from ddpcli.cli.app import checkpoint_app, run_command
 from ddpcli.cli.options import option
 from ddpcli.errors import runtime_error, usage_error
+
+if TYPE_CHECKING:
+    from ddpcli.config.convert import ConvertConfig
 
 CheckpointPath = Annotated[Path, typer.Argument(help="A checkpoint file (.pt).")]
 JsonFlag = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout.")]
@@ -103,8 +106,19 @@ def check_verify_options(arch: str | None, num_classes: int | None) -> None:
 
 @checkpoint_app.command("convert")
 def convert(
-    path: CheckpointPath,
+    path: Annotated[
+        Path, typer.Argument(help="A checkpoint (.pt), a state dict or a .safetensors file.")
+    ],
     out: Annotated[Path, typer.Argument(help="File to write.")],
+    to: Annotated[
+        str | None,
+        option(
+            "Format: pt (a plain state dict), safetensors (weights and metadata), onnx or "
+            "pt2 (torch.export), the last two checked against eager PyTorch.",
+            default="from OUT's suffix, else pt",
+            metavar="pt|safetensors|onnx|pt2",
+        ),
+    ] = None,
     strip_ddp_prefix: Annotated[
         bool, typer.Option("--strip-ddp-prefix", help="Drop the `module.` that DDP adds to keys.")
     ] = False,
@@ -115,30 +129,108 @@ def convert(
             help="Keep epoch, metrics and config with the weights; drop optimizer and RNG state.",
         ),
     ] = False,
+    weights: Annotated[
+        str | None,
+        option(
+            "The EMA's averaged weights or the trained ones.",
+            default="ema when saved",
+            metavar="ema|raw",
+        ),
+    ] = None,
+    arch: Annotated[
+        str | None, option("Model to rebuild for onnx and pt2.", default="the file's, if named")
+    ] = None,
+    trust_checkpoint_code: Annotated[
+        bool,
+        typer.Option(
+            "--trust-checkpoint-code",
+            help="Import the model code the file names (pkg.module:factory) to export it.",
+        ),
+    ] = False,
+    image_size: Annotated[
+        int | None,
+        option("Side of the exported input (onnx, pt2).", default="the run's validation crop"),
+    ] = None,
+    tolerance: Annotated[
+        float | None,
+        option(
+            "Largest absolute difference of the logits allowed against eager PyTorch, "
+            "times the largest logit where that is above 1.",
+            default="1e-4",
+        ),
+    ] = None,
+    check_batch: Annotated[
+        int | None, option("The larger batch the export is checked on.", default="4")
+    ] = None,
     json_output: JsonFlag = False,
 ) -> None:
-    """Write a plain state dict, or a weights-only checkpoint.
+    """Write the weights as pt, safetensors, ONNX or pt2 files.
 
-    The state dict is what `torchvision.models.ARCH(num_classes=N).load_state_dict` takes;
-    --weights-only keeps epoch, metrics and config but drops optimizer and RNG state."""
+    pt is what `torchvision.models.ARCH(num_classes=N).load_state_dict` takes; --weights-only
+    keeps epoch, metrics and config but drops optimizer and RNG state. safetensors keeps
+    arch, classes and preprocessing in its header. onnx (dynamic batch) and pt2 are checked
+    against eager PyTorch on a batch of 1 and of 4: exit 1 past the tolerance. safetensors
+    and onnx need `pip install 'ddpcli\\[export]'`."""
+
+    flags = {
+        "path": path, "out": out, "to": to, "strip_ddp_prefix": strip_ddp_prefix,
+        "weights_only": weights_only, "weights": weights, "arch": arch,
+        "trust_checkpoint_code": trust_checkpoint_code, "image_size": image_size,
+        "tolerance": tolerance, "check_batch": check_batch,
+    }  # fmt: skip
 
     def action() -> None:
-        from ddpcli.checkpoint.report import convert_checkpoint
+        from ddpcli.config.convert import build_convert_config
 
-        report = convert_checkpoint(path, out, strip_ddp_prefix, weights_only)
+        report = convert_to(build_convert_config(flags))
         if json_output:
             ui.print_json(report)
-            return
-        ui.info(
-            f"wrote {report['out']}: {report['layout']} of {report['tensors']} tensors "
-            f"({report['parameters']:,} parameters), {human_size(report['size_bytes'])}"
+        else:
+            show_conversion(report)
+
+    run_command(action)
+
+
+def convert_to(cfg: ConvertConfig) -> dict[str, Any]:
+    """--to pt from a .pt file copies its tensors (`convert_checkpoint`); every other case,
+    a .safetensors source included, goes through `export_checkpoint`."""
+    from ddpcli.checkpoint.safetensors_io import is_safetensors_file
+
+    if cfg.to == "pt" and not is_safetensors_file(cfg.path):
+        from ddpcli.checkpoint.report import convert_checkpoint
+
+        return convert_checkpoint(
+            cfg.path, cfg.out, cfg.strip_ddp_prefix, cfg.weights_only, cfg.weights
         )
-        if report["ddp_prefix"]:
-            ui.warn("keys still start with `module.`; add --strip-ddp-prefix for a plain model")
+    from ddpcli.checkpoint.export import export_checkpoint
+
+    return export_checkpoint(cfg)
+
+
+def show_conversion(report: dict[str, Any]) -> None:
+    weights = {"ema": " (the EMA's averaged weights; --weights raw for the trained ones)",
+               "raw": ""}.get(report.get("weights") or "", "")  # fmt: skip
+    if "checks" in report:
+        ui.info(f"checked against eager PyTorch: {check_words(report)}")
+    layout = report.get("layout") or report["to"]
+    ui.info(
+        f"wrote {report['out']}: {layout} of {report['tensors']} tensors "
+        f"({report['parameters']:,} parameters), {human_size(report['size_bytes'])}{weights}"
+    )
+    if report.get("ddp_prefix"):
+        ui.warn("keys still start with `module.`; add --strip-ddp-prefix for a plain model")
+    if report.get("load_hint"):
         # Soft-wrapped so the line stays one line when copied from the terminal.
         ui.console.print(f"load it with: {report['load_hint']}", markup=False, soft_wrap=True)
 
-    run_command(action)
+
+def check_words(report: dict[str, Any]) -> str:
+    batches = ", ".join(
+        f"batch {check['batch']} max abs diff {check['max_abs_diff']:.2g}"
+        for check in report["checks"]
+    )
+    shape = ", ".join(map(str, report["input_shape"]))
+    return f"{batches} (tolerance {report['tolerance']:.2g}); input ({shape})"
 
 
 # --- Showing reports ----------------------------------------------------------------------
@@ -186,6 +278,8 @@ def inspection_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
         rows.append(("progress", progress_words(report)))
         rows.append(("world size", str(report["world_size"])))
         rows.append(("architecture", f"{report['arch']} · {report['num_classes']} classes"))
+        if report.get("classes"):
+            rows.append(("classes", listed_names(report["classes"])))
         if report.get("best_val_acc") is not None and report["best_val_acc"] >= 0:
             rows.append(("best val acc", f"{100 * report['best_val_acc']:.2f}%"))
     model = report.get("model")
@@ -202,6 +296,12 @@ def inspection_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
     rows.append(("size on disk", human_size(report["size_bytes"])))
     rows.append(("sha256", digest_words(report["digest"])))
     return rows
+
+
+def listed_names(names: list[str], shown: int = 10) -> str:
+    """`cat, dog, owl`; past SHOWN names, the first ones and how many more."""
+    more = f" … and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(map(str, names[:shown])) + more
 
 
 def progress_words(report: dict[str, Any]) -> str:

@@ -25,6 +25,14 @@ from ddpcli.errors import runtime_error
 OutFolder = Annotated[
     Path, typer.Argument(help="Folder of the shards and their index.json.", metavar="OUT")
 ]
+# Text, not a Path: a Path would make s3://bucket/shards into s3:/bucket/shards.
+ShardLocation = Annotated[
+    str,
+    typer.Argument(
+        help="Folder of the shards and their index.json, or its URL (s3://, gs://, http(s)://).",
+        metavar="OUT",
+    ),
+]
 JsonFlag = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout.")]
 Workers = Annotated[
     int | None,
@@ -86,11 +94,12 @@ def pack(
 
 
 @data_app.command("verify", no_args_is_help=True)
-def verify(out: OutFolder, workers: Workers = None, json_output: JsonFlag = False) -> None:
+def verify(out: ShardLocation, workers: Workers = None, json_output: JsonFlag = False) -> None:
     """Check every shard against OUT/index.json.
 
     Each shard the index names must be there, whole, with the same SHA-256 and the same
-    number of samples. Exit 1 naming each bad shard; exit 2 if OUT holds no index."""
+    number of samples. OUT may be a URL: each shard is then streamed, not copied to disk.
+    Exit 1 naming each bad shard; exit 2 if OUT holds no index."""
 
     def action() -> None:
         from ddpcli.config.data import build_verify_config
@@ -105,7 +114,8 @@ def verify(out: OutFolder, workers: Workers = None, json_output: JsonFlag = Fals
             show_verify(report)
         if report["bad"]:
             raise runtime_error(
-                f"{len(report['bad'])} of {len(report['shards'])} shards in {out} are bad: "
+                f"{len(report['bad'])} of {len(report['shards'])} shards in {report['out']} "
+                "are bad: "
                 + "; ".join(
                     f"{check['name']} ({check['status']}: {check['detail']})"
                     for check in report["shards"]

@@ -44,6 +44,7 @@ def train(
     data_path: data.DataPath = None,
     workers: data.Workers = None,
     skip_bad_images: data.SkipBadImages = None,
+    shuffle_buffer: data.ShuffleBuffer = None,
     augment: data.Augment = None,
     # Model and optimisation
     arch: model.Arch = None,
@@ -75,6 +76,10 @@ def train(
     gpu0_batch: processes.Gpu0Batch = None,
     bucket_cap_mb: processes.BucketCapMb = None,
     find_unused_parameters: processes.FindUnusedParameters = None,
+    static_graph: processes.StaticGraph = None,
+    gradient_as_bucket_view: processes.GradientAsBucketView = None,
+    grad_compression: processes.GradCompression = None,
+    powersgd_start_step: processes.PowersgdStartStep = None,
     # Multi-node
     nnodes: nodes.Nnodes = None,
     node_rank: nodes.NodeRank = None,
@@ -95,7 +100,14 @@ def train(
     keep_last: outputs.KeepLast = None,
     log_dir: outputs.LogDir = None,
     log_every: outputs.LogEvery = None,
+    profile_steps: outputs.ProfileSteps = None,
     tensorboard: outputs.Tensorboard = None,
+    tracker: outputs.Tracker = None,
+    tracking_uri: outputs.TrackingUri = None,
+    experiment: outputs.Experiment = None,
+    run_name: outputs.RunName = None,
+    tracker_strict: outputs.TrackerStrict = None,
+    tracker_checkpoints: outputs.TrackerCheckpoints = None,
     preempt_signal: outputs.PreemptSignal = None,
     # Recipe ingredients
     sync_bn: ingredients.SyncBn = None,
@@ -268,9 +280,14 @@ def resource_line(cfg, summary: dict) -> str:
 
 
 def report_rank_load(cfg, summary: dict) -> None:
-    """The last epoch's data wait and compute per rank; the straggler named, with a hint."""
-    from ddpcli.outputs.rankload import straggler_note
+    """The last epoch's data wait and compute per rank; the straggler named, with a hint;
+    each rank's step split into data wait, compute, exposed communication and optimizer."""
+    from ddpcli.outputs.rankload import breakdown_lines, straggler_note
 
+    if summary.get("step_breakdown"):
+        ui.info("where the step time went, last epoch (host clocks):")
+        for line in breakdown_lines(summary["step_breakdown"]):
+            ui.info(f"  {line}")
     if "data_wait_frac_per_rank" not in summary:
         return
     waits = ", ".join(

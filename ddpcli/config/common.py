@@ -33,7 +33,7 @@ class CommandConfig(BaseModel):
 
 Backend = Literal["auto", "nccl", "gloo"]
 Precision = Literal["auto", "bf16", "fp16", "fp32"]
-DatasetName = Literal["synthetic", "stl10", "imagefolder"]
+DatasetName = Literal["synthetic", "stl10", "imagefolder", "shards"]
 
 
 def parse_int_list(text: str, name: str) -> list[int]:

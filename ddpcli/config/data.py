@@ -1,12 +1,14 @@
 """`ddpcli data pack|verify`'s configuration: where the samples come from, where the shards
-go, how big each is and how many processes write or check them."""
+go, how big each is and how many processes write or check them; and where shards are read
+from (a folder or a URL), which `ddpcli train --data-dir` shares."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import BeforeValidator, Field
+from pydantic import BeforeValidator, Field, PlainValidator, SerializationInfo, WrapSerializer
 
 from ddpcli.config.barrier import parse_size_list
 from ddpcli.config.common import CommandConfig, given, validated
@@ -39,6 +41,55 @@ ShardBytes = Annotated[
 ]
 
 
+# What fsspec reads shards from (ddpcli.data.shards.storage). file:// and memory:// are
+# fsspec's own, handy in tests and for a path that must not be taken for a folder's.
+URL_SCHEMES = ("s3://", "gs://", "gcs://", "http://", "https://", "file://", "memory://")
+# user:password@ in a URL's authority: said as ***@, never shown or saved.
+URL_CREDENTIALS = re.compile(r"\b([a-z][a-z0-9+.-]*://)[^/@\s]*@", re.IGNORECASE)
+# The serialization context that keeps a URL's credentials: only for the launcher's private
+# request to its own workers.
+WITH_CREDENTIALS = "with_credentials"
+
+
+def is_url(location: object) -> bool:
+    return isinstance(location, str) and location.lower().startswith(URL_SCHEMES)
+
+
+def redacted_url(text: str) -> str:
+    """TEXT with a URL's user:password@ replaced, so that messages and files never hold it."""
+    return URL_CREDENTIALS.sub(r"\1***@", text)
+
+
+def location_from_text(value: Any) -> Path | str:
+    """A URL stays text (a Path would make s3://bucket into s3:/bucket); the rest is a
+    folder."""
+    if isinstance(value, Path) or is_url(value):
+        return value
+    if not isinstance(value, str):
+        raise ValueError("give a folder or a URL")
+    if "://" in value:
+        scheme = value.split("://", 1)[0]
+        raise ValueError(
+            f"{scheme}:// is not a storage ddpcli reads; give a folder or a URL that starts "
+            f"with {', '.join(URL_SCHEMES[:5])}"
+        )
+    return Path(value)
+
+
+def location_without_credentials(value: Any, handler: Any, info: SerializationInfo) -> Any:
+    if isinstance(value, str) and WITH_CREDENTIALS not in (info.context or ()):
+        return redacted_url(value)
+    return handler(value)
+
+
+# A folder or a URL of shards. In config.json and checkpoints a URL's credentials read ***.
+DataLocation = Annotated[
+    Path | str,
+    PlainValidator(location_from_text),
+    WrapSerializer(location_without_credentials, when_used="json"),
+]
+
+
 def default_workers() -> int:
     return max(1, min(cpu_count(), MAX_DEFAULT_WORKERS))
 
@@ -64,7 +115,7 @@ class DataPackConfig(CommandConfig):
 class DataVerifyConfig(CommandConfig):
     """Everything `ddpcli data verify` needs."""
 
-    out: Path
+    out: DataLocation
     workers: int | None = Field(None, ge=1, le=1024)
 
     @property

@@ -44,6 +44,7 @@ from ddpcli.config.common import (
     validated,
     with_origins,
 )
+from ddpcli.config.data import DataLocation, is_url
 from ddpcli.environments.pods import describe as describe_pod
 from ddpcli.environments.pods import pet_variables
 from ddpcli.errors import DdpcliError, usage_error
@@ -163,6 +164,66 @@ Betas = Annotated[
 # `--model-arg depth=4 --model-arg act=relu`: keywords for the model's constructor.
 ModelArgs = Annotated[dict[str, Any], BeforeValidator(parse_model_args)]
 
+TrackerName = Literal["csv", "mlflow", "wandb", "tensorboard"]
+
+
+def parse_name_list(text: str, name: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def _each_once(names: list[str]) -> list[str]:
+    return list(dict.fromkeys(names))
+
+
+# `--tracker csv,mlflow`: experiment trackers, each named once.
+TrackerList = Annotated[
+    list[TrackerName], from_comma_text(parse_name_list, "tracker"), AfterValidator(_each_once)
+]
+
+# --grad-compression: what DDP all-reduces (ddpcli.training.compression). PowerSGD's rank 2
+# is Vogels et al.'s choice for ResNets on CIFAR-10, until this project measures its own
+# (docs/performance.md); its first steps go uncompressed, as torch's PowerSGD recommends.
+GRAD_COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
+POWERSGD_DEFAULT_RANK = 2
+POWERSGD_MAX_RANK = 64
+
+
+def parse_grad_compression(value: str) -> str:
+    """`none`, `fp16`, `bf16`, or `powersgd:RANK` (`powersgd` alone: the default rank)."""
+    method, colon, rank = value.strip().lower().partition(":")
+    if method not in GRAD_COMPRESSIONS or (colon and method != "powersgd"):
+        raise ValueError("use none, fp16, bf16, powersgd or powersgd:RANK (e.g. powersgd:2)")
+    if method != "powersgd":
+        return method
+    if not colon:
+        return f"powersgd:{POWERSGD_DEFAULT_RANK}"
+    if not rank.isdigit() or not 1 <= int(rank) <= POWERSGD_MAX_RANK:
+        raise ValueError(f"PowerSGD's rank is a whole number from 1 to {POWERSGD_MAX_RANK}")
+    return f"powersgd:{int(rank)}"
+
+
+def powersgd_rank(grad_compression: str) -> int | None:
+    """The rank of `powersgd:RANK`; None for the other compressions."""
+    method, _, rank = grad_compression.partition(":")
+    return int(rank) if method == "powersgd" else None
+
+
+GradCompression = Annotated[str, AfterValidator(parse_grad_compression)]
+
+
+def parse_profile_steps(value: str) -> str:
+    """`A:B`: the optimizer steps after step A up to step B (step numbers as in steps.jsonl)."""
+    first, colon, last = value.strip().partition(":")
+    if not (colon and first.strip().isdigit() and last.strip().isdigit()):
+        raise ValueError("give A:B, two step numbers, e.g. 10:15 (the 5 steps after step 10)")
+    if int(first) >= int(last):
+        raise ValueError("A must be below B: 10:15 profiles the 5 steps after step 10")
+    return f"{int(first)}:{int(last)}"
+
+
+# --profile-steps A:B (ddpcli.training.profiling).
+ProfileSteps = Annotated[str, AfterValidator(parse_profile_steps)]
+
 
 class TrainConfig(Membership, CommandConfig):
     """Everything `ddpcli train` needs. Field names are the flags with `_` for `-`."""
@@ -172,7 +233,9 @@ class TrainConfig(Membership, CommandConfig):
     # data
     # A built-in set's name, or the user's own factory (`pkg.module:factory`).
     dataset: str = "synthetic"
-    data_dir: Path | None = None
+    # A folder, or for --dataset shards a URL (s3://, gs://, http(s)://): saved without the
+    # URL's user:password@ (config.data.DataLocation).
+    data_dir: DataLocation | None = None
     download: bool = False
     image_size: int | None = Field(None, ge=8, le=1024)
     synthetic_size: int = Field(4096, ge=16, description="training images of the synthetic set")
@@ -183,6 +246,12 @@ class TrainConfig(Membership, CommandConfig):
         description="leave out image files that cannot be decoded (counted, listed in "
         "summary.json) instead of stopping; the loader path then decodes each image once "
         "before training to find them",
+    )
+    shuffle_buffer: int | None = Field(
+        None,
+        ge=1,
+        description="--dataset shards: samples each stream holds to shuffle (1: none); by "
+        "default sized from the node's available memory, stated before the first step",
     )
     augment: Literal["auto", "rrc", "crop-flip", "none"] = "auto"
     # the modern recipe's input side (docs/train.md, "The modern recipe")
@@ -211,7 +280,8 @@ class TrainConfig(Membership, CommandConfig):
     init_from: Path | None = Field(
         None,
         description="start from these weights (a ddpcli checkpoint, a `checkpoint convert` "
-        "output or a state dict); not a resume: step, optimiser and schedule start fresh",
+        "output, a .safetensors file or a state dict); not a resume: step, optimiser and "
+        "schedule start fresh",
     )
     reset_head: bool = Field(
         False,
@@ -267,6 +337,28 @@ class TrainConfig(Membership, CommandConfig):
         description="DDP: train a model whose loss leaves some parameters out (a branch not "
         "taken); costs a walk of the autograd graph every step",
     )
+    # DDP's settings for slow links (docs/performance.md, "DDP on slow links"): today's
+    # behaviour until the scaling measurements choose the defaults.
+    static_graph: bool = Field(
+        False,
+        description="DDP: the same parameters get gradients in the same order every step; "
+        "lets DDP skip per-step bookkeeping",
+    )
+    gradient_as_bucket_view: bool = Field(
+        True,
+        description="DDP: gradients live inside the all-reduce buckets (no copy into and out "
+        "of them, less memory)",
+    )
+    grad_compression: GradCompression = Field(
+        "none",
+        description="what DDP all-reduces: fp32 gradients (none), fp16 or bf16 casts (half "
+        "the bytes), or PowerSGD's rank-RANK factors with error feedback (docs/performance.md)",
+    )
+    powersgd_start_step: int = Field(
+        1000,
+        ge=0,
+        description="optimizer steps all-reduced uncompressed before PowerSGD starts",
+    )
     # multi-node
     nnodes: int = Field(1, ge=1)  # the most nodes; `--nnodes MIN:MAX` sets both
     min_nnodes: int | None = Field(None, ge=1)  # None: exactly --nnodes
@@ -290,11 +382,31 @@ class TrainConfig(Membership, CommandConfig):
     log_every: int = Field(
         10, ge=1, description="optimizer steps between progress lines and steps.jsonl rows"
     )
+    profile_steps: ProfileSteps | None = Field(
+        None,
+        description="A:B: one torch.profiler trace per rank of the steps after step A up to "
+        "step B, in OUT/profile/ (Perfetto UI, Holistic Trace Analysis)",
+    )
     tensorboard: bool = Field(
         False,
         description="also write TensorBoard event files to OUT/tensorboard (needs the "
-        "tensorboard package: pip install 'ddpcli[tensorboard]')",
+        "tensorboard package: pip install 'ddpcli[tensorboard]'); as --tracker tensorboard",
     )
+    # experiment trackers (docs/train.md, "Tracking"): rank 0 sends them the run's rows
+    tracker: TrackerList = Field(default_factory=list)
+    tracking_uri: str | None = None  # MLflow's; None: MLFLOW_TRACKING_URI, else OUT/mlflow.db
+    experiment: str | None = None  # None: the recipe's name, else ARCH-DATASET
+    run_name: str | None = None  # None: the run folder's name
+    tracker_strict: bool = Field(
+        False,
+        description="a tracker that cannot be reached at the start stops the run (exit 2) "
+        "instead of a warning",
+    )
+    tracker_checkpoints: bool = Field(
+        False, description="also send checkpoints/best.pt to the trackers at the end"
+    )
+    # Resolved, never given: --tracker wandb without W&B credentials runs offline.
+    wandb_offline: bool = False
     # The signal that saves a checkpoint at the next check (every --log-every steps) and stops
     preempt_signal: Literal["TERM", "USR1"] = "TERM"
     # debugging: each rank appends the sample indices of every training batch to PATH.rankN
@@ -335,7 +447,7 @@ class TrainConfig(Membership, CommandConfig):
         if value in get_args(DatasetName) or is_factory_spec(value):
             return value
         raise ValueError(
-            "use synthetic, stl10, imagefolder, or your own data set as pkg.module:factory "
+            "use synthetic, stl10, imagefolder, shards, or your own data set as pkg.module:factory "
             "(docs/custom.md)"
         )
 
@@ -392,8 +504,14 @@ class TrainConfig(Membership, CommandConfig):
         check_membership(self.min_nnodes, self.nnodes, self.rdzv_backend, self.rdzv_endpoint)
         if self.cpu and self.gpus:
             raise ValueError("invalid --cpu: --cpu and --gpus exclude each other; pick one")
-        if self.dataset in ("stl10", "imagefolder") and self.data_dir is None:
+        if self.dataset in ("stl10", "imagefolder", "shards") and self.data_dir is None:
             raise ValueError(f"invalid --data-dir: --dataset {self.dataset} needs --data-dir DIR")
+        check_shards_settings(self)
+        if is_url(self.data_dir) and self.dataset in ("stl10", "imagefolder"):
+            raise ValueError(
+                f"invalid --data-dir: --dataset {self.dataset} reads a folder; a URL is read as "
+                "shards (pack the data with `ddpcli data pack`, upload it, --dataset shards)"
+            )
         if self.betas is not None and self.optimizer != "adamw":
             raise ValueError("invalid --betas: they are AdamW's; add --optimizer adamw")
         if self.momentum is not None and self.optimizer != "sgd":
@@ -410,6 +528,17 @@ class TrainConfig(Membership, CommandConfig):
             )
         if self.strategy == "balanced-dp" and self.gpu0_batch is None:
             raise ValueError("invalid --gpu0-batch: --strategy balanced-dp needs --gpu0-batch N")
+        check_grad_compression(self.grad_compression, self.strategy, self.precision)
+        if self.compile and self.bucket_cap_mb < 1:
+            raise ValueError(
+                "invalid --bucket-cap-mb: with --compile, torch's DDP optimizer needs buckets of "
+                "at least 1 MB (its first bucket's size); raise it or drop --compile"
+            )
+        if self.static_graph and self.accumulate > 1:
+            raise ValueError(
+                "invalid --static-graph: torch's DDP fails an internal assertion when a step "
+                "accumulates under no_sync (--accumulate > 1); drop one of them"
+            )
         if self.sync_bn and self.strategy != "ddp":
             raise ValueError(
                 f"invalid --sync-bn: it synchronises DDP ranks; --strategy {self.strategy} is one "
@@ -420,6 +549,7 @@ class TrainConfig(Membership, CommandConfig):
                 "invalid --overwrite: it clears --out's earlier run, and --resume auto "
                 "continues it; pick one"
             )
+        check_profile_window(self.profile_window, self.max_steps)
         return self
 
     # Values derived from the config, never stored twice.
@@ -486,6 +616,21 @@ class TrainConfig(Membership, CommandConfig):
             self.resolved_lr, global_batch, self.lr_base_batch, self.resolved_lr_scaling
         )
 
+    @property
+    def profile_window(self) -> tuple[int, int] | None:
+        """--profile-steps A:B as (A, B): the steps after step A up to step B are profiled."""
+        if self.profile_steps is None:
+            return None
+        first, _, last = self.profile_steps.partition(":")
+        return int(first), int(last)
+
+    @property
+    def trackers(self) -> list[str]:
+        """--tracker's list, with TensorBoard when --tensorboard (its synonym) is on."""
+        if self.tensorboard and "tensorboard" not in self.tracker:
+            return [*self.tracker, "tensorboard"]
+        return list(self.tracker)
+
     # Settings `ddpcli.launcher.resolve` fills in before any worker starts: None only until then.
     @property
     def resolved_out(self) -> Path:
@@ -502,7 +647,7 @@ class TrainConfig(Membership, CommandConfig):
     @property
     def resolved_data_dir(self) -> Path:
         """--data-dir, which every data set but the synthetic one requires (`_consistent`)."""
-        if self.data_dir is None:
+        if not isinstance(self.data_dir, Path):
             raise RuntimeError(f"TrainConfig.data_dir read, but --dataset {self.dataset} has none")
         return self.data_dir
 
@@ -537,6 +682,53 @@ class TrainConfig(Membership, CommandConfig):
 
 
 Value = TypeVar("Value")
+
+
+def check_grad_compression(grad_compression: str, strategy: str, precision: str) -> None:
+    """The pairings --grad-compression cannot do correctly, refused with the reason."""
+    if grad_compression != "none" and strategy != "ddp":
+        raise ValueError(
+            f"invalid --grad-compression: it compresses DDP's all-reduce; --strategy {strategy} "
+            "is one process and all-reduces nothing (use --strategy ddp)"
+        )
+    if powersgd_rank(grad_compression) and precision == "fp16":
+        raise ValueError(
+            "invalid --grad-compression: PowerSGD carries each step's compression error into "
+            "the next, and fp16's loss scale changes between steps (a skipped step leaves inf "
+            "there); use --precision bf16 or fp32, or --grad-compression fp16"
+        )
+
+
+def check_profile_window(window: tuple[int, int] | None, max_steps: int | None) -> None:
+    """A window that --max-steps ends before it opens is refused; one that ends after the
+    run's last step is said by the run (ddpcli.training.profiling), which knows that step."""
+    if window is not None and max_steps is not None and window[0] >= max_steps:
+        raise ValueError(
+            f"invalid --profile-steps: the run stops at step {max_steps} (--max-steps), so the "
+            f"steps after step {window[0]} never run; lower A or raise --max-steps"
+        )
+
+
+def check_shards_settings(cfg: TrainConfig) -> None:
+    """What --dataset shards cannot do: they are streamed (never held on the device), and
+    each sample goes to one rank (--ra-reps shows each on several)."""
+    if cfg.dataset != "shards":
+        if cfg.shuffle_buffer is not None:
+            raise ValueError(
+                "invalid --shuffle-buffer: it shuffles the streams of --dataset shards; other "
+                "data sets are permuted whole each epoch"
+            )
+        return
+    if cfg.data_path == "device":
+        raise ValueError(
+            "invalid --data-path: shards stream through the loader's workers (--data-path "
+            "loader or auto); --data-path device holds synthetic or stl10 in device memory"
+        )
+    if cfg.ra_reps > 1:
+        raise ValueError(
+            "invalid --ra-reps: each sample of --dataset shards is streamed to one rank; "
+            "repeated augmentation needs --dataset imagefolder"
+        )
 
 
 def _resolved(value: Value | None, name: str) -> Value:
@@ -658,6 +850,18 @@ def parse_slow_data(text: str) -> tuple[int, float]:
     return parsed
 
 
+# ddpcli.data.shards.index.INDEX_NAME: what `ddpcli data pack` writes beside its shards.
+SHARD_INDEX_NAME = "index.json"
+
+
+def holds_shard_index(data_dir: Any) -> bool:
+    """--data-dir is a folder of packed shards, or a URL (only shards are read from one):
+    --dataset shards unless another is named."""
+    if data_dir is None or is_url(data_dir):
+        return data_dir is not None
+    return (Path(data_dir) / SHARD_INDEX_NAME).is_file()
+
+
 def build_train_config(
     flags: dict[str, Any], recipe: Path | None, environ: Mapping[str, str] | None = None
 ) -> TrainConfig:
@@ -679,12 +883,15 @@ def build_train_config(
             f"{where}: peak_lr is not a setting; the run computes it from lr, lr_base_batch "
             'and lr_scaling (set lr_scaling = "none" to use lr as given)'
         )
+    if "dataset" not in values and holds_shard_index(values.get("data_dir")):
+        values["dataset"] = "shards"
     if env.get(TRACE_SAMPLES_VARIABLE):
         values.setdefault("trace_samples", Path(env[TRACE_SAMPLES_VARIABLE]))
     if pod := pet_variables(env):
         values["world_from"] = describe_pod(pod)
     if env.get(SLOW_DATA_VARIABLE):
         values.setdefault("slow_data", parse_slow_data(env[SLOW_DATA_VARIABLE]))
+    tracking_defaults(values, recipe, env)
     try:
         # A flag's type is Typer's to check; a recipe's, as strictly, here.
         check_strict_types(TrainConfig, recipe_in_effect, text_forms=("nnodes",))
@@ -694,6 +901,30 @@ def build_train_config(
         origins = {name: pod for name, pod in pod_origins.items() if name not in overridden}
         origins.update(setting_origins(from_recipe, from_flags, recipe))
         raise with_origins(error, origins) from None
+
+
+def tracking_defaults(values: dict[str, Any], recipe: Path | None, env: Mapping[str, str]) -> None:
+    """MLflow's own variable for its store, the recipe's name for the experiment, and W&B
+    offline where no credentials are set (it would stop to ask for them)."""
+    if env.get("MLFLOW_TRACKING_URI"):
+        values.setdefault("tracking_uri", env["MLFLOW_TRACKING_URI"])
+    if recipe is not None:
+        values.setdefault("experiment", recipe.stem)
+    if "wandb" in str(values.get("tracker", "")):
+        values["wandb_offline"] = not has_wandb_credentials(env)
+
+
+def has_wandb_credentials(env: Mapping[str, str]) -> bool:
+    """WANDB_API_KEY, or `wandb login`'s entry in ~/.netrc; WANDB_MODE=offline says no."""
+    if env.get("WANDB_MODE") in ("offline", "dryrun", "disabled"):
+        return False
+    if env.get("WANDB_API_KEY"):
+        return True
+    netrc = Path(env.get("NETRC") or Path.home() / ".netrc")
+    try:
+        return "api.wandb.ai" in netrc.read_text()
+    except OSError:
+        return False
 
 
 def train_nproc_settings(text: str) -> dict[str, Any]:

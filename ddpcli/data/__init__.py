@@ -9,7 +9,7 @@
 - `pipeline`: sharding and the batches the training loop sees; `resharding`: where an epoch
   stands, continued by any world.
 - `shards/`: `ddpcli data pack|verify`, a data set as WebDataset-format tar shards and their
-  index (no torch).
+  index (no torch), and `--dataset shards`: the epoch planned from the index, streamed.
 
 May import config/ and the shared top-level modules only.
 tests/test_architecture.py holds the table.

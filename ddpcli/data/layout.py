@@ -26,11 +26,12 @@ IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".ppm", ".pgm", ".webp", ".ti
 
 
 def training_augment(choice: str, dataset: str) -> Augment:
-    """`--augment auto`: the random-resized crop for image folders and the user's own sets
-    (photos of any size, as torchvision's and timm's references treat them), the padded
+    """`--augment auto`: the random-resized crop for image folders, shards and the user's own
+    sets (photos of any size, as torchvision's and timm's references treat them), the padded
     crop and flip for the small in-memory sets (synthetic, STL-10)."""
     if choice == "auto":
-        return "rrc" if dataset == "imagefolder" or is_factory_spec(dataset) else "crop-flip"
+        photos = dataset in ("imagefolder", "shards") or is_factory_spec(dataset)
+        return "rrc" if photos else "crop-flip"
     if choice not in ("rrc", "crop-flip", "none"):
         raise ValueError(f"unknown augmentation {choice!r}")
     return choice  # type: ignore[return-value]  # checked just above
@@ -190,6 +191,11 @@ def check_data_source(cfg: TrainConfig) -> None:
     # The user's own factory reads --data-dir as it likes (a folder, a CSV file, nothing).
     if cfg.dataset == "synthetic" or cfg.custom_dataset or cfg.data_dir is None:
         return
+    if not isinstance(cfg.data_dir, Path):  # a URL, which only shards are read from
+        from ddpcli.data.shards.checks import check_shard_source
+
+        check_shard_source(cfg.data_dir)
+        return
     if not cfg.data_dir.is_dir() and not (cfg.dataset == "stl10" and cfg.download):
         hint = "; add --download to fetch STL-10 into it" if cfg.dataset == "stl10" else ""
         raise usage_error(
@@ -199,3 +205,7 @@ def check_data_source(cfg: TrainConfig) -> None:
         raise stl10_missing(cfg.data_dir)
     if cfg.dataset == "imagefolder":
         check_imagefolder(cfg.data_dir)
+    if cfg.dataset == "shards":
+        from ddpcli.data.shards.checks import check_shard_source
+
+        check_shard_source(cfg.data_dir)

@@ -15,6 +15,7 @@ import json
 import math
 import time
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 from torch.utils.data import DistributedSampler
@@ -46,9 +47,11 @@ from ddpcli.data.sets import (
     FolderSplits,
     ImageSet,
     MemorySplits,
+    ShardSplits,
     Splits,
     view_set,
 )
+from ddpcli.data.shards.feed import MemberImages, Normalise, ShardFeed
 from ddpcli.dist import DistContext
 from ddpcli.errors import USAGE, agreed_error
 
@@ -159,7 +162,10 @@ class DataPipeline:
         )
         trace = cfg.trace_samples
         self.trace_file = trace.with_name(f"{trace.name}.rank{ctx.rank}") if trace else None
-        if isinstance(splits, FolderSplits):
+        self.shards: ShardFeed | None = None
+        if isinstance(splits, ShardSplits):
+            self._stream_shards(splits)
+        elif isinstance(splits, FolderSplits):
             self._stream_folders(splits)
         elif isinstance(splits, CustomSplits):
             self._stream_custom(splits)
@@ -193,6 +199,20 @@ class DataPipeline:
             FolderDataset(splits.val_samples, size, seed, "none", view=view),
         )
 
+    def _stream_shards(self, splits: ShardSplits) -> None:
+        """Shards: each rank's loader workers stream their parts of the epoch
+        (ddpcli.data.shards.feed); decoding and augmentation as for image folders."""
+        cfg = self.cfg
+        size, seed, crop = cfg.resolved_image_size, cfg.seed, cfg.resolved_val_crop_size
+        view = (cfg.val_resize_size or resize_side(crop), crop)
+        normalise = Normalise(self.ctx.device, self.mean, self.std, self.channels_last)
+        self.shards = ShardFeed(
+            splits, cfg, self.ctx, self.workers, normalise,
+            MemberImages(size, seed, self.augment, **self.recipe()),
+            MemberImages(size, seed, "none", view=view),
+        )  # fmt: skip
+        self.train_size, self.val_size = self.shards.train_size, self.shards.val_size
+
     def _stream_custom(self, splits: CustomSplits) -> None:
         cfg = self.cfg
         size, classes = cfg.resolved_image_size, splits.num_classes
@@ -216,6 +236,13 @@ class DataPipeline:
 
     def _check_one_batch(self) -> None:
         """Full batches only: each rank's share of the train split must fill one."""
+        if self.steps_per_epoch() == 0 and self.shards is not None:
+            raise agreed_error(
+                f"the shards' {self.train_size} train samples over {self.ctx.world_size} "
+                f"rank(s) give some rank fewer than {LEAST_BATCH}, the least a training batch "
+                "holds; pack more samples or run fewer ranks",
+                USAGE,
+            )
         if self.steps_per_epoch() == 0:
             world, batch = self.ctx.world_size, self.cfg.per_gpu_batch
             raise agreed_error(
@@ -227,6 +254,8 @@ class DataPipeline:
 
     @property
     def path_name(self) -> str:
+        if self.shards is not None:
+            return f"shards ({self.workers} workers)"
         return "device" if self.device_resident else f"loader ({self.workers} workers)"
 
     def shard_size(self) -> int:
@@ -236,6 +265,8 @@ class DataPipeline:
     def steps_per_epoch(self, start: int = 0) -> int:
         """Full batches per rank and epoch: what train_batches yields. START > 0: the rest of
         an epoch re-dealt from that global sample offset (ddpcli.data.resharding)."""
+        if self.shards is not None:
+            return self.shards.steps(start)
         if start:
             return remaining_steps(
                 self.train_size, start, self.ctx.world_size, self.cfg.per_gpu_batch
@@ -243,11 +274,18 @@ class DataPipeline:
         return self.shard_size() // self.cfg.per_gpu_batch
 
     def images_per_epoch(self) -> int:
+        if self.shards is not None:  # every sample, the tail folded into the last batches
+            return self.train_size
         return self.steps_per_epoch() * self.cfg.per_gpu_batch * self.ctx.world_size
 
     def describe_sizes(self) -> str:
         """`4096 of 4097 train images per epoch (last partial batch dropped) / 1025 val images
         · 10 classes`: a stray folder taken for a class shows in the count."""
+        if self.shards is not None:
+            return (
+                f"{self.shards.describe_sizes()} / {self.val_size} val samples · "
+                f"{self.splits.num_classes} classes"
+            )
         trained, size = self.images_per_epoch(), self.train_size
         if trained < size:
             train = f"{trained} of {size} train images per epoch (last partial batch dropped)"
@@ -264,6 +302,8 @@ class DataPipeline:
     def describe_rest(self, epoch: int, start: int) -> str:
         """`epoch 1: 36 of 96 samples trained before the resume; the other 60 dealt over 2
         ranks, 7 batches of 4 each, the last of them 6 (the tail folded in)`."""
+        if self.shards is not None:
+            return self.shards.describe_rest(epoch, start)
         world, batch, size = self.ctx.world_size, self.cfg.per_gpu_batch, self.train_size
         head = (
             f"epoch {epoch + 1}: {start} of {size} samples trained before the resume; the other "
@@ -289,6 +329,9 @@ class DataPipeline:
     def train_batches(self, epoch: int, skip_batches: int = 0, start: int = 0):
         """The epoch's order depends only on seed and epoch; a resume skips by position, or
         (START > 0) deals the rest of the order from that global sample offset."""
+        if self.shards is not None:  # a resume deals the rest anew: never skips batches
+            shard_batches = self.shards.train_batches(epoch, start)
+            return self._wrapped(shard_batches, cast(list[int], shard_batches.keys), epoch)
         keys = self.epoch_keys(epoch, start)
         sizes = self.train_batch_sizes(len(keys), start)
         indices, sizes = keys[sum(sizes[:skip_batches]) :], sizes[skip_batches:]
@@ -298,6 +341,11 @@ class DataPipeline:
             )
         else:
             batches = self.train_loader.for_epoch(indices, epoch, sizes)
+        return self._wrapped(batches, indices, epoch)
+
+    def _wrapped(self, batches: Any, indices: list[int], epoch: int) -> Any:
+        """Random erasing, the sample trace and the slowed rank, as asked; INDICES: the keys
+        of the epoch's batches, in order (for shards, read as each batch is handed out)."""
         if self.cfg.random_erase > 0:
             batches = ErasedBatches(batches, indices, self.cfg.seed, epoch, self.cfg.random_erase)
         if self.trace_file:
@@ -332,10 +380,29 @@ class DataPipeline:
         return train_shard(self.train_size, ctx, cfg.seed, epoch)
 
     def val_batches(self):
+        if self.shards is not None:
+            return self.shards.val_batches()
         indices = val_shard(self.val_size, self.ctx)
         if self.device_resident:
             return self._device_batches(self.val_set, indices, "none", 0, drop_last=False)
         return self.val_loader.for_epoch(indices, 0)
+
+    # --- where a shards epoch stands (None and no-ops on the other paths)
+    def stream_position(self, batch_in_epoch: int, epoch_start: int) -> dict[str, Any] | None:
+        """For a checkpoint: the shard streams' pieces not yet trained (a collective on every
+        rank); None on the other paths, whose position is the sample offset alone."""
+        if self.shards is None:
+            return None
+        return self.shards.position(batch_in_epoch, epoch_start)
+
+    def follow_position(self, position: dict[str, Any] | None) -> None:
+        """A resume's stream position (shards): the rest of its epoch is dealt from it."""
+        if self.shards is not None:
+            self.shards.follow(position)
+
+    def stream_line(self) -> str:
+        """The header's line on how shards are read; "" on the other paths."""
+        return self.shards.stream_line() if self.shards is not None else ""
 
     def _device_batches(
         self,

@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeAlias
+from typing import TypeAlias, cast
 
 import numpy as np
 import torch
@@ -36,6 +36,10 @@ from ddpcli.data.layout import (
     stl10_present,
     training_augment,
 )
+from ddpcli.data.shards.index import ShardIndex, read_index
+from ddpcli.data.shards.plan import shard_table
+from ddpcli.data.shards.storage import shard_store
+from ddpcli.data.shards.stream import MemberBytes, shard_samples
 from ddpcli.dist import DistContext, all_gather_object, rank_zero_prepares
 from ddpcli.errors import USAGE, agreed_error, usage_error
 from ddpcli.files import atomic_save
@@ -81,7 +85,20 @@ class FolderSplits:
     skipped: list[str] = field(default_factory=list)
 
 
-Splits: TypeAlias = MemorySplits | FolderSplits
+@dataclass
+class ShardSplits:
+    """Packed shards (`ddpcli data pack`), streamed by the ranks: where they are, their index,
+    and with --skip-bad-images the members left out: split -> shard -> member positions."""
+
+    location: str
+    index: ShardIndex
+    num_classes: int
+    class_names: list[str]
+    skipped: list[str] = field(default_factory=list)  # `shard:key` of each member left out
+    left_out: dict[str, dict[int, list[int]]] = field(default_factory=dict)
+
+
+Splits: TypeAlias = MemorySplits | FolderSplits | ShardSplits
 
 
 # --- Synthetic --------------------------------------------------------------------------
@@ -344,12 +361,74 @@ def view_set(image_set: ImageSet, resize: int, crop: int) -> ImageSet:
     return ImageSet(images, image_set.labels)
 
 
+# --- Shards (`ddpcli data pack`) ---------------------------------------------------------
+
+
+def shard_splits(location: Path | str, ctx: DistContext, skip_bad_images: bool) -> ShardSplits:
+    """The index of LOCATION, checked (ddpcli.data.shards.checks); with --skip-bad-images
+    every image decoded once first, as the folder path's loader does, so that the epoch's
+    sample count (and so every rank's steps) is known before the first step."""
+    from ddpcli.data.shards.checks import check_shard_index
+
+    index = read_index(location)
+    check_shard_index(index, shard_store(location))
+    classes = index.splits["train"].classes
+    splits = ShardSplits(str(location), index, len(classes), classes)
+    if skip_bad_images:
+        splits.left_out, splits.skipped = unreadable_members(splits, ctx)
+        train, val = (
+            index.splits[split].samples
+            - sum(len(positions) for positions in splits.left_out[split].values())
+            for split in ("train", "val")
+        )
+        check_split_sizes(Path(str(location)), train, val, splits.skipped)
+    return splits
+
+
+def unreadable_members(
+    splits: ShardSplits, ctx: DistContext
+) -> tuple[dict[str, dict[int, list[int]]], list[str]]:
+    """Every member that cannot be decoded, found by the ranks together (each a strided
+    share of the shards) and pooled: split -> shard -> positions, and their `shard:key`."""
+    tasks = [
+        (split, shard)
+        for split in ("train", "val")
+        for shard in range(len(splits.index.splits[split].shards))
+    ]
+    if ctx.is_main:
+        ui.info(f"--skip-bad-images: decoding each image of {len(tasks)} shards once first")
+    mine = [found for task in tasks[ctx.rank :: ctx.world_size] for found in bad_in(splits, *task)]
+    left_out: dict[str, dict[int, list[int]]] = {"train": {}, "val": {}}
+    names = []
+    for split, shard, position, name in sorted(
+        found for share in all_gather_object(mine, ctx) for found in share
+    ):
+        left_out[split].setdefault(shard, []).append(position)
+        names.append(name)
+    return left_out, names
+
+
+def bad_in(splits: ShardSplits, split: str, shard: int) -> list[tuple[str, int, int, str]]:
+    table = shard_table(splits.index.splits[split])
+    store = shard_store(splits.location)
+    bad = []
+    for sample in shard_samples(store, table, shard, 0, table.counts[shard]):
+        try:
+            read_rgb(cast(Path, MemberBytes(sample.image, sample.name)))
+        except UnreadableImage:
+            bad.append((split, shard, sample.number - table.firsts[shard], sample.name))
+    return bad
+
+
 # --- Loading and checking, as the run asks ------------------------------------------
 
 
 def load_splits(cfg: TrainConfig, ctx: DistContext, device_resident: bool) -> Splits:
     """The splits in memory; an image folder only listed unless it will be device-resident."""
     image_size = cfg.resolved_image_size
+    if cfg.dataset == "shards":
+        location = cfg.data_dir if cfg.data_dir is not None else cfg.resolved_data_dir
+        return shard_splits(location, ctx, cfg.skip_bad_images)
     if cfg.dataset == "synthetic":
         return synthetic_splits(cfg.synthetic_size, image_size, cfg.seed)
     if cfg.dataset == "stl10":

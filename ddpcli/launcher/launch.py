@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Any
 
 from ddpcli import ui
 from ddpcli.config import BarrierConfig, ScriptLaunchConfig, TrainConfig
+from ddpcli.config.data import WITH_CREDENTIALS
+from ddpcli.config.eval import EvalConfig
 from ddpcli.environments import LauncherEnv, read_launcher_env
 from ddpcli.environments.world import DEFAULT_MASTER_PORT
 from ddpcli.errors import (
@@ -215,9 +217,9 @@ class WorkerJob:
         return self.master_port or DEFAULT_MASTER_PORT
 
 
-def job_membership(cfg: TrainConfig | ScriptLaunchConfig) -> dict[str, Any]:
-    """The WorkerJob fields that say how this node meets the others, as `train` and
-    `launch` both give them."""
+def job_membership(cfg: TrainConfig | ScriptLaunchConfig | EvalConfig) -> dict[str, Any]:
+    """The WorkerJob fields that say how this node meets the others, as `train`, `launch`
+    and `eval` all give them."""
     master_addr, master_port = cfg.master_addr, cfg.master_port
     if cfg.rdzv_endpoint:  # --rdzv-endpoint names node 0's agent of a static job too
         master_addr, master_port = cfg.rendezvous_address(DEFAULT_MASTER_PORT)
@@ -551,7 +553,8 @@ def _launch_elastic(cfg: TrainConfig, debug: bool) -> dict[str, Any]:
     # when the launch ends (in --out, a second run could rewrite it before they read it).
     with tempfile.TemporaryDirectory(prefix="ddpcli-launch-") as private:
         request = Path(private) / "config.json"
-        request.write_text(cfg.model_dump_json())
+        # The one copy that keeps a --data-dir URL's user:password@: its workers read with it.
+        request.write_text(cfg.model_dump_json(context={WITH_CREDENTIALS: True}))
         job = WorkerJob(
             module=WORKER_MODULE,
             args=[str(request), str(out)],  # the second names the run for `ps`, unread

@@ -26,7 +26,8 @@ from ddpcli.machine import (
     physical_gpu_count,
 )
 from ddpcli.models.archs import check_arch
-from ddpcli.outputs.tbwriter import INSTALL_HINT, tensorboard_installed
+from ddpcli.outputs.trackers import install_hint, missing_package
+from ddpcli.outputs.trackers.probe import check_reachable
 from ddpcli.training.precision import auto_cpu_precision, native_cpu_bf16
 
 # The side each data set is trained at unless --image-size says otherwise.
@@ -34,12 +35,32 @@ NATIVE_IMAGE_SIZE = {"synthetic": 32, "stl10": STL10_SIDE}
 IMAGEFOLDER_SIZE = {"gpu": 224, "cpu": 64}
 
 
+def tensorboard_installed() -> bool:
+    return missing_package("tensorboard") is None
+
+
 def check_tensorboard(cfg: TrainConfig) -> None:
-    if cfg.tensorboard and not tensorboard_installed():
+    if "tensorboard" in cfg.trackers and not tensorboard_installed():
+        flag = "--tensorboard" if cfg.tensorboard else "--tracker tensorboard"
         raise usage_error(
-            f"invalid --tensorboard: the tensorboard package is not installed; {INSTALL_HINT}, "
-            "or drop --tensorboard (steps.jsonl and curves.png are written anyway)"
+            f"invalid {flag}: the tensorboard package is not installed; "
+            f"{install_hint('tensorboard')}, or drop {flag} (steps.jsonl and curves.png are "
+            "written anyway)"
         )
+
+
+def check_trackers(cfg: TrainConfig, launcher: LauncherEnv | None) -> None:
+    """Each tracker's package is installed; with --tracker-strict, its server answers."""
+    check_tensorboard(cfg)
+    for name in cfg.tracker:
+        package = missing_package(name)
+        if package is not None and name != "tensorboard":
+            raise usage_error(
+                f"invalid --tracker {name}: the {package} package is not installed; "
+                f"{install_hint(name)}, or drop {name} from --tracker"
+            )
+    if cfg.tracker_strict and (launcher is None or launcher.rank == 0):
+        check_reachable(cfg)
 
 
 def resolve_train_config(cfg: TrainConfig, launcher: LauncherEnv | None) -> TrainConfig:
@@ -71,7 +92,7 @@ def checked_train_config(cfg: TrainConfig, launcher: LauncherEnv | None) -> Trai
         check_writable_folder(values["log_dir"], "--log-dir")
     resolve_agent_address(values)
     check_data_source(cfg)
-    check_tensorboard(cfg)
+    check_trackers(cfg, launcher)
     if cfg.ifname:
         check_interface(cfg.ifname)
     if launcher is None or launcher.rank == 0:
@@ -91,7 +112,8 @@ def resolve_crop_sizes(values: dict[str, Any]) -> None:
     values["train_crop_size"] = values["train_crop_size"] or image_size
     crop = values["val_crop_size"] = values["val_crop_size"] or image_size
     folder = values["dataset"] == "imagefolder"
-    values["val_resize_size"] = values["val_resize_size"] or (resize_side(crop) if folder else crop)
+    photos = folder or values["dataset"] == "shards"  # validated as torchvision's references do
+    values["val_resize_size"] = values["val_resize_size"] or (resize_side(crop) if photos else crop)
     if values["train_crop_size"] != image_size and values["augment"] != "rrc":
         raise usage_error(
             f"invalid --train-crop-size: it is the side of --augment rrc's random-resized crop; "

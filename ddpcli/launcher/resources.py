@@ -58,7 +58,7 @@ def available_memory_bytes(meminfo: Path = Path("/proc/meminfo")) -> float | Non
 def data_bytes(cfg: TrainConfig) -> float:
     """Each CPU process holds the uint8 set in its memory (the device path on the CPU);
     on GPUs, and for image folders, the set is elsewhere or streamed."""
-    if cfg.uses_gpus or cfg.dataset == "imagefolder" or cfg.data_path == "loader":
+    if cfg.uses_gpus or cfg.dataset in ("imagefolder", "shards") or cfg.data_path == "loader":
         return 0.0
     images = cfg.synthetic_size * 1.25 if cfg.dataset == "synthetic" else STL10_IMAGES
     return images * 3 * cfg.resolved_image_size**2

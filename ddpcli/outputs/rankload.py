@@ -6,7 +6,11 @@ leaves out DDP's two waits for the other ranks: the buffer broadcast before the 
 forward (it starts when the wrapped module's forward does) and the end of backward, where
 the gradient all-reduce completes (it ends at the last gradient accumulated). In those
 every rank waits for the slowest, so timed over the whole step every rank would look as
-slow as the slowest one, and none could be named.
+slow as the slowest one, and none could be named. Those two waits are the communication
+that backward did not hide (exposed): the all-reduces that overlapped backward cost
+nothing there. With the optimizer step and the epoch's wall time beside them, each rank's
+step splits into data wait, compute, exposed communication, optimizer and the rest (the
+metric sums, logging, a checkpoint): `step_breakdown`.
 
 The figures ride in the loop's metric sums (two slots per rank, this rank's filled, the
 others zero), so the reduction the loop already makes at its logging points gathers them
@@ -34,23 +38,27 @@ DATA_WAIT_HINT = 0.25
 # first step's allocations): they are still recorded, but no warning line names a rank.
 STEPS_TO_WARN = 8
 METRIC_SLOTS = 3  # the loop's own sums come first: [loss sum, correct, count]
+# Each rank's slots: [data wait, compute, exposed communication, optimizer, wall] seconds.
+RANK_SLOTS = 5
+BREAKDOWN_PARTS = ("data_wait", "compute", "exposed_comm", "optimizer")
 
 Batch = TypeVar("Batch")
 
 
 def slots_for(world_size: int) -> int:
-    """Length of the loop's sums tensor: its metrics, then [wait, compute] for each rank."""
-    return METRIC_SLOTS + 2 * world_size
+    """Length of the loop's sums tensor: its metrics, then RANK_SLOTS for each rank."""
+    return METRIC_SLOTS + RANK_SLOTS * world_size
 
 
 class RankClock:
-    """This rank's wait and compute seconds in the current epoch."""
+    """This rank's wait, compute, exposed communication and optimizer seconds in the
+    current epoch."""
 
     def __init__(self, module: nn.Module, hook_forward: bool = True) -> None:
         """MODULE: the model inside any DDP wrapper, so that its forward starts after DDP's
         buffer broadcast. HOOK_FORWARD False (under torch.compile, where a clock read in a
         hook would break the graph): the compute then starts before that broadcast."""
-        self.wait_s = self.compute_s = 0.0
+        self.wait_s = self.compute_s = self.comm_s = self.optimizer_s = 0.0
         self.epoch_started = time.perf_counter()
         self.started = 0.0
         self.training = False  # inside a training micro-step
@@ -62,14 +70,16 @@ class RankClock:
                 parameter.register_post_accumulate_grad_hook(self._gradient_ready)
 
     def _forward_starts(self, *_: object) -> None:
-        if self.training:
-            self.started = time.perf_counter()
+        if self.training:  # what DDP did before it: the buffer broadcast
+            now = time.perf_counter()
+            self.comm_s += now - self.started
+            self.started = now
 
     def _gradient_ready(self, _parameter: torch.Tensor) -> None:
         self.last_gradient_at = time.perf_counter()
 
     def start_epoch(self) -> None:
-        self.wait_s = self.compute_s = 0.0
+        self.wait_s = self.compute_s = self.comm_s = self.optimizer_s = 0.0
         self.epoch_started = time.perf_counter()
 
     def waited(self, batches: Iterable[Batch]) -> Iterator[Batch]:
@@ -93,28 +103,70 @@ class RankClock:
         """Backward returned: its own part ended at the last gradient, the rest was the wait
         for the all-reduce."""
         now = time.perf_counter()
-        self.compute_s += (self.last_gradient_at or now) - self.started
+        last_gradient_at = self.last_gradient_at or now
+        self.compute_s += last_gradient_at - self.started
+        self.comm_s += now - last_gradient_at
         self.started = now
 
     def compute_done(self, optimizer_stepped: bool) -> None:
         self.training = False  # validation's forwards are not timed
         if optimizer_stepped:  # the optimizer step (nothing else ran since backward_done)
-            self.compute_s += time.perf_counter() - self.started
+            self.optimizer_s += time.perf_counter() - self.started
 
     def epoch_seconds(self) -> float:
         return time.perf_counter() - self.epoch_started
 
     def write(self, sums: torch.Tensor, rank: int) -> None:
         """Put this rank's epoch figures in its slots of SUMS, ahead of the reduction."""
-        slot = METRIC_SLOTS + 2 * rank
-        sums[slot] = self.wait_s
-        sums[slot + 1] = self.compute_s
+        slot = METRIC_SLOTS + RANK_SLOTS * rank
+        figures = (self.wait_s, self.compute_s, self.comm_s, self.optimizer_s)
+        sums[slot : slot + RANK_SLOTS] = sums.new_tensor([*figures, self.epoch_seconds()])
 
 
 def rank_seconds(timing: list[float]) -> tuple[list[float], list[float]]:
-    """Per-rank (wait, compute) seconds from the rank slots of the reduced sums (what
-    follows their first METRIC_SLOTS values)."""
-    return timing[0::2], timing[1::2]
+    """Per-rank (wait, own compute) seconds from the rank slots of the reduced sums (what
+    follows their first METRIC_SLOTS values); own compute holds the optimizer step."""
+    wait_s = timing[0::RANK_SLOTS]
+    compute_s = [a + b for a, b in zip(timing[1::RANK_SLOTS], timing[3::RANK_SLOTS], strict=True)]
+    return wait_s, compute_s
+
+
+def step_breakdown(timing: list[float], steps: int) -> dict[str, Any]:
+    """Each rank's step time, split into BREAKDOWN_PARTS and `other` as shares of its wall
+    time (they sum to 1), with its mean step in ms; and the slowest rank: the one whose own
+    work (all but the exposed communication and `other`) is longest, which every rank waits
+    for. TIMING: the rank slots of the reduced sums, over STEPS optimizer steps."""
+    per_rank = []
+    own_s = []
+    for rank in range(len(timing) // RANK_SLOTS):
+        *parts, wall = timing[rank * RANK_SLOTS : (rank + 1) * RANK_SLOTS]
+        wall = max(wall, 1e-9)
+        named = zip(BREAKDOWN_PARTS, parts, strict=True)
+        shares = {name: min(seconds / wall, 1.0) for name, seconds in named}
+        shares["other"] = max(0.0, 1.0 - sum(shares.values()))
+        rounded = {name: round(share, 4) for name, share in shares.items()}
+        per_rank.append({"rank": rank, "step_ms": round(1000 * wall / max(steps, 1), 2), **rounded})
+        own_s.append(parts[0] + parts[1] + parts[3])
+    slowest = max(range(len(own_s)), key=own_s.__getitem__, default=0)
+    return {"per_rank": per_rank, "slowest_rank": slowest, "steps": steps, "clock": "host"}
+
+
+def breakdown_lines(breakdown: dict[str, Any], most: int = 8) -> list[str]:
+    """The breakdown for a person: one line per rank (the slowest and the first MOST)."""
+    slowest = breakdown["slowest_rank"]
+    shown = [row for row in breakdown["per_rank"] if row["rank"] < most or row["rank"] == slowest]
+    lines = [
+        f"rank {row['rank']}: {row['step_ms']:.1f} ms per step = data wait "
+        f"{100 * row['data_wait']:.0f}% · compute {100 * row['compute']:.0f}% · exposed comm "
+        f"{100 * row['exposed_comm']:.0f}% · optimizer {100 * row['optimizer']:.0f}% · other "
+        f"{100 * row['other']:.0f}%" + (" (the slowest: every rank waits for it)" if
+        row["rank"] == slowest and len(breakdown["per_rank"]) > 1 else "")
+        for row in shown
+    ]  # fmt: skip
+    hidden = len(breakdown["per_rank"]) - len(shown)
+    if hidden:
+        lines.append(f"... {hidden} more ranks in summary.json's step_breakdown")
+    return lines
 
 
 def rank_figures(

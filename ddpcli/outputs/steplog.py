@@ -1,5 +1,5 @@
 """The run's record between epochs: one row per logging interval in `steps.jsonl` (and, with
-`--tensorboard`, TensorBoard's event files), written by rank 0 alone.
+`--tracker`, the same rows sent on to the trackers), written by rank 0 alone.
 
 Rows come from the sums the loop already reduces at its logging points (`[loss sum,
 correct, count]` of the epoch so far, over all ranks, then each rank's data wait and
@@ -18,26 +18,25 @@ from ddpcli import ui
 from ddpcli.outputs.rankload import rank_figures, rank_seconds
 
 STEPS_FILE = "steps.jsonl"
-TENSORBOARD_DIR = "tensorboard"
+TENSORBOARD_DIR = "tensorboard"  # --tracker tensorboard's event files
 
 
 class Sink(Protocol):
-    """Somewhere else the rows go (TensorBoard), beside steps.jsonl."""
+    """Somewhere else the rows go (the trackers: ddpcli.outputs.trackers), beside
+    steps.jsonl and metrics.jsonl."""
 
     def step_row(self, row: dict[str, Any]) -> None: ...
     def epoch_row(self, metrics: dict[str, Any]) -> None: ...
-    def close(self) -> None: ...
 
 
 class StepLog:
     """Appends one JSON line per interval; a line is flushed at once, so a run that is still
     going (or was killed) leaves a file every reader can take up to its last row."""
 
-    def __init__(self, out: Path, enabled: bool, tensorboard: bool = False) -> None:
+    def __init__(self, out: Path, enabled: bool) -> None:
         self.out = out
         self.path = out / STEPS_FILE
         self.enabled = enabled
-        self.tensorboard = tensorboard and enabled
         self.sink: Sink | None = None
         self.totals = [0.0, 0.0, 0.0]  # the epoch's sums at the previous row
         self.rank_totals: list[float] = []  # each rank's [wait, compute] s at the previous row
@@ -49,13 +48,12 @@ class StepLog:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self.sink is not None:
-            self.sink.close()
+        return None
 
     def start(self, step: int) -> None:
         """Training starts (or resumes) after STEP: the rows past it, which an interrupted
         run wrote after its last checkpoint, are dropped, since this run logs them again;
-        a fresh run (step 0) starts an empty file. TensorBoard hides its own the same way."""
+        a fresh run (step 0) starts an empty file."""
         self.step = step
         if not self.enabled:
             return
@@ -65,10 +63,10 @@ class StepLog:
 
         kept = [row for row in read_rows(self.path) if row.get("step", 0) <= step]
         write_text_atomic(self.path, "".join(ui.json_text(row) + "\n" for row in kept))
-        if self.tensorboard:
-            from ddpcli.outputs.tbwriter import TensorBoardSink
 
-            self.sink = TensorBoardSink(self.out / TENSORBOARD_DIR, purge_step=step + 1)
+    def attach(self, sink: Sink | None) -> None:
+        """SINK (the trackers) gets each row from now on, after steps.jsonl."""
+        self.sink = sink if self.enabled else None
 
     def start_epoch(self, totals: list[float] | None) -> None:
         """TOTALS: the sums a resumed epoch starts from (its checkpoint's), else none."""
@@ -108,6 +106,7 @@ class StepLog:
             self.sink.step_row(row)
 
     def epoch_end(self, metrics: dict[str, Any]) -> None:
+        """METRICS: the row just appended to metrics.jsonl (a partial epoch's too)."""
         if self.enabled and self.sink is not None:
             self.sink.epoch_row(metrics)
 

@@ -9,7 +9,10 @@
   said before the first step);
 - `strategy` (ddp, dp, balanced-dp), `precision`, `syncbn`, `ema`, `param_groups`: how the
   model is wrapped, computed in, normalised, averaged and decayed;
-- `stopping`: Ctrl-C and preemption, every rank agreeing to save and stop.
+- `compression`: what DDP all-reduces (`--grad-compression`: torch's fp16/bf16 hooks,
+  ddpcli's PowerSGD hook and its per-rank state), and the bytes each sends per step;
+- `stopping`: Ctrl-C and preemption, every rank agreeing to save and stop;
+- `profiling`: `--profile-steps A:B`, one torch.profiler trace per rank of those steps.
 
 May import checkpoint/, outputs/, data/, models/, config/, environments/ and the shared
 top-level modules (the files a rank and its launcher leave each other are named in

@@ -8,6 +8,7 @@ this is the loop's side of them, with `save` and `load` as its interface.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,19 +36,33 @@ from ddpcli.errors import runtime_error
 
 class Checkpointing:
     def __init__(
-        self, cfg: TrainConfig, ctx: DistContext, data: DataPipeline, parts: TrainingParts
+        self,
+        cfg: TrainConfig,
+        ctx: DistContext,
+        data: DataPipeline,
+        parts: TrainingParts,
+        on_saved: Callable[[int], None] | None = None,
     ) -> None:
         self.cfg, self.ctx, self.data, self.parts = cfg, ctx, data, parts
         self.writer = CheckpointWriter(cfg, ctx)
         self.saved_step: int | None = None  # the step of the newest checkpoint in --out
+        self.on_saved = on_saved  # told each saved step (the trackers' rows up to it go)
 
     def save(self, state: TrainState, name: str, is_best: bool) -> None:
         """Callers check the weights first (Trainer.check_weights): last.pt must stay a good
         one."""
-        num_classes = self.data.splits.num_classes
-        payload = training_payload(self.parts, state, self.cfg, self.ctx, num_classes)
+        splits = self.data.splits
+        # A collective on shards: every rank's streams say what they have left.
+        state.stream_position = self.data.stream_position(state.batch_in_epoch, state.epoch_start)
+        normalization = {"mean": list(self.data.mean), "std": list(self.data.std)}
+        payload = training_payload(
+            self.parts, state, self.cfg, self.ctx, splits.num_classes, splits.class_names,
+            normalization,
+        )  # fmt: skip
         self.writer.save(payload, name, is_best=is_best)
         self.saved_step = state.step
+        if self.on_saved is not None:
+            self.on_saved(state.step)
 
     def load(self, path: Path) -> tuple[TrainState, int | str]:
         """The parts restored from PATH: the position they stand at, and the global batch
@@ -55,6 +70,7 @@ class Checkpointing:
         the file does not say)."""
         payload = load_training_checkpoint(path, map_location=self.ctx.device)
         state = restore_training(payload, self.parts, self.ctx, path, self.cfg.per_gpu_batch)
+        self.data.follow_position(state.stream_position)
         saved_batch = global_batch_of(payload.get("config") or {}, payload["world_size"])
         if path.resolve() == (self.writer.directory / "last.pt").resolve():
             self.saved_step = state.step

@@ -13,6 +13,7 @@ from ddpcli.config.train import OPTIMIZER_DEFAULTS
 from ddpcli.data.pipeline import DataPipeline
 from ddpcli.data.sets import SKIPPED_IMAGES_FILE
 from ddpcli.dist import DistContext
+from ddpcli.training.compression import describe_gradients, start_step_warning
 from ddpcli.training.ema import WeightAverage, slow_average_warning
 from ddpcli.training.precision import has_tf32
 from ddpcli.training.schedule import Schedule
@@ -53,8 +54,23 @@ def announce_run(
         f"compile {'on' if cfg.compile else 'off'}"
         f"{split_note(cfg, ctx, model, schedule.accumulate)}"
     )
+    if streams := data.stream_line():  # --dataset shards: the order, streams and buffer
+        ui.info(streams)
+    announce_gradients(cfg, ctx, schedule, model)
     announce_ingredients(cfg, schedule, ema)
     if warning := skipped_images_warning(data.splits.skipped, cfg):
+        ui.warn(warning)
+
+
+def announce_gradients(
+    cfg: TrainConfig, ctx: DistContext, schedule: Schedule, model: nn.Module
+) -> None:
+    """DDP's all-reduce: what it sends per step, compressed or not, and DDP's settings."""
+    if cfg.strategy != "ddp" or (ctx.world_size == 1 and cfg.grad_compression == "none"):
+        return
+    ui.info(describe_gradients(cfg, model, ctx.world_size))
+    steps = min(schedule.total_steps, cfg.max_steps or schedule.total_steps)
+    if warning := start_step_warning(cfg, steps):
         ui.warn(warning)
 
 

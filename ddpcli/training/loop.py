@@ -33,10 +33,13 @@ from ddpcli.outputs.rankload import (
     rank_figures,
     rank_seconds,
     slots_for,
+    step_breakdown,
     straggler_note,
 )
 from ddpcli.outputs.steplog import StepLog
+from ddpcli.outputs.trackers.fanout import Trackers, run_opening
 from ddpcli.training.checkpointing import Checkpointing
+from ddpcli.training.compression import compression_state
 from ddpcli.training.ema import WeightAverage, adjusted_decay
 from ddpcli.training.header import announce_run
 from ddpcli.training.metrics import StepTimer, means, memory_metrics, synced_time
@@ -46,6 +49,7 @@ from ddpcli.training.parts import (
     build_parallel_model,
     configure_cuda_math,
 )
+from ddpcli.training.profiling import StepProfiler, step_profiler
 from ddpcli.training.schedule import Schedule
 from ddpcli.training.stopping import SUMMARY_FILE, Interrupted, Preemption, stop_record
 from ddpcli.training.strategy import unwrap
@@ -69,18 +73,26 @@ class Trainer:
         self.state = TrainState()
         self.first_step_pending = True
         parts = TrainingParts(
-            unwrap(self.model), self.optimizer, self.scheduler, self.scaler, self.ema
+            unwrap(self.model),
+            self.optimizer,
+            self.scheduler,
+            self.scaler,
+            self.ema,
+            compression_state(self.model),
         )
-        self.checkpoints = Checkpointing(cfg, ctx, data, parts)
+        self.checkpoints = Checkpointing(cfg, ctx, data, parts, on_saved=self.checkpoint_saved)
         self.validation = Validation(cfg, ctx, data, not_finite=self.non_finite_stop)
         self.out = cfg.resolved_out
         self.finite_step = 0  # the last step at which the loss was checked and finite
-        self.steplog = StepLog(self.out, ctx.is_main, tensorboard=cfg.tensorboard)
+        self.steplog = StepLog(self.out, ctx.is_main)
+        self.trackers = Trackers([], {})  # rank 0's, once the run knows where it starts
         self.preemption = Preemption(
             cfg.preempt_signal, every_steps=cfg.log_every, on_terminate=self.record_termination
         )
         # This rank's data wait and own compute (ddpcli.outputs.rankload).
         self.clock = RankClock(unwrap(self.model), hook_forward=not cfg.compile)
+        self.breakdown: dict[str, Any] = {}  # the last epoch's, per rank (rankload)
+        self.profiler: StepProfiler | None = None  # --profile-steps's, once the run starts
 
     def build_ema(self) -> WeightAverage | None:
         cfg, schedule = self.cfg, self.schedule
@@ -97,17 +109,25 @@ class Trainer:
             return last
         if self.ctx.is_main:  # each epoch once, even if the interrupted run wrote one more
             write_metrics_history(self.out / "metrics.jsonl", self.state.history)
-        self.steplog.start(self.state.step)
+        self.steplog.start(self.state.step)  # first: the trackers start from its rows
+        self.steplog.attach(self.start_trackers())
         self.announce()
+        total_steps = self.schedule.total_steps
+        self.profiler = step_profiler(self.cfg, self.ctx, self.state.step, total_steps)
+        profiling = self.profiler or contextlib.nullcontext()
         progress = ui.TrainProgress(self.ctx.is_main, self.cfg.epochs, self.data.steps_per_epoch())
         try:
-            with progress, self.steplog, self.preemption:
+            with progress, self.steplog, self.preemption, profiling:
                 last = self.run_epochs(progress, last)
         except KeyboardInterrupt:  # Ctrl-C: rank 0's launcher says where, once
+            self.trackers.stop("stopped")
             raise Interrupted(self.stop_record("interrupted")) from None
+        except BaseException:
+            self.trackers.stop("failed")
+            raise
         if self.preemption.agreed and self.state.epoch < self.cfg.epochs:
             return {**last, **self.stop_record("preempted")}
-        return last
+        return {**last, "step_breakdown": self.breakdown} if self.breakdown else last
 
     def start(self) -> None:
         """Where the run starts: a checkpoint (--resume), --init-from's weights, or fresh."""
@@ -121,6 +141,35 @@ class Trainer:
             ui.info("--resume auto: no checkpoints/last.pt in the output folder; starting fresh")
         if self.cfg.init_from is not None:
             self.checkpoints.start_from_weights(self.cfg.init_from)
+
+    # --- the experiment trackers (rank 0's): they follow steps.jsonl and metrics.jsonl
+    def start_trackers(self) -> Trackers | None:
+        """After the files are rewound to where the run starts: the trackers start (or
+        continue the runs the checkpoint names) from what the files hold."""
+        if not (self.ctx.is_main and self.cfg.trackers):
+            return None
+        self.trackers = Trackers(self.cfg.trackers, self.state.tracker_runs)
+        self.trackers.start(run_opening(self.cfg, self.ctx, self.state.step))
+        return self.trackers
+
+    def checkpoint_saved(self, step: int) -> None:
+        self.trackers.checkpoint_saved(step)
+
+    def finish_trackers(self, summary: dict[str, Any]) -> None:
+        """After summary.json: the run's curves, summary and (--tracker-checkpoints) best.pt
+        as artifacts, and each tracker's run ended."""
+        if not self.trackers.couriers:
+            return
+        files = [self.out / SUMMARY_FILE]
+        if self.trackers.append_only():  # the launcher draws it too, after the workers end
+            from ddpcli.outputs.curves import CURVES_FILE, write_run_curves
+
+            with contextlib.suppress(Exception):  # a picture is never worth a failed run
+                write_run_curves(self.out)
+            files.insert(0, self.out / CURVES_FILE)
+        if self.cfg.tracker_checkpoints:
+            files.append(self.out / "checkpoints" / "best.pt")
+        self.trackers.finish(files, "stopped" if summary.get("stopped") else "finished")
 
     def announce(self) -> None:
         announce_run(self.cfg, self.ctx, self.schedule, self.data, self.model, self.ema)
@@ -232,6 +281,8 @@ class Trainer:
             if self.first_step_pending:  # one device sync per run, for "time to first step"
                 first_step_at, self.first_step_pending = synced_time(ctx.device), False
             self.after_optimizer_step(sums, progress, timer, last_micro)
+            if self.profiler is not None:
+                self.profiler.at_step(state.step)
             if self.schedule.reached_max_steps(state) or self.preemption.stop_now(state.step, ctx):
                 break
         return first_step_at
@@ -243,6 +294,7 @@ class Trainer:
         cfg, ctx, state = self.cfg, self.ctx, self.state
         wait_s, compute_s = rank_seconds(totals[METRIC_SLOTS:])
         ranks = rank_figures(wait_s, compute_s, self.clock.epoch_seconds(), steps)
+        self.breakdown = step_breakdown(totals[METRIC_SLOTS:], steps)
         train_loss, train_acc = means(totals)
         images_per_sec = timer.images_per_sec(ctx)
         if self.preemption.agreed and stopped_inside:  # a scheduler's grace is short: save
@@ -428,6 +480,7 @@ class Trainer:
         is_best = self.record_best(metrics)
         if self.ctx.is_main:
             self.append_metrics(metrics)
+            self.steplog.epoch_end(metrics)
             ui.info(self.stop_line(metrics))
         self.checkpoints.save(state, f"step-{state.step:08d}.pt", is_best=is_best)
         state.partial_sums = None

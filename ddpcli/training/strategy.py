@@ -22,6 +22,7 @@ from torch.nn.parallel import DistributedDataParallel, comm
 
 from ddpcli.config import TrainConfig
 from ddpcli.dist import DistContext
+from ddpcli.training.compression import register_compression
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # fp32: no autocast
 
@@ -157,13 +158,16 @@ def wrap_model(model: nn.Module, cfg: TrainConfig, ctx: DistContext) -> nn.Modul
     if cfg.strategy == "ddp":
         if not ctx.distributed:
             return model
-        return DistributedDataParallel(
+        ddp = DistributedDataParallel(
             model,
             device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
-            gradient_as_bucket_view=True,  # gradients live in the buckets: no extra copy
+            gradient_as_bucket_view=cfg.gradient_as_bucket_view,
             bucket_cap_mb=cfg.bucket_cap_mb,
             find_unused_parameters=cfg.find_unused_parameters,
+            static_graph=cfg.static_graph,
         )
+        register_compression(ddp, cfg)
+        return ddp
     device_ids = list(range(torch.cuda.device_count()))
     autocast = (
         (ctx.device.type, AUTOCAST_DTYPES[cfg.precision])

@@ -36,9 +36,11 @@ class Validation:
     def epoch_metrics(self, model: nn.Module, ema: WeightAverage | None) -> dict[str, Any]:
         """`val_loss`, `val_acc`, `val_samples`; with --ema, `ema_val_loss` and `ema_val_acc`
         too. MODEL is unwrapped, so ranks with one batch fewer never wait on a collective."""
+        same_buffers_as_rank0(model, self.ctx)
         loss, accuracy, samples = self.validate(model)
         metrics: dict[str, Any] = {"val_loss": loss, "val_acc": accuracy, "val_samples": samples}
         if ema is not None:
+            same_buffers_as_rank0(ema.module, self.ctx)
             ema_loss, ema_accuracy, _ = self.validate(ema.module)
             metrics.update(ema_val_loss=ema_loss, ema_val_acc=ema_accuracy)
         return metrics
@@ -61,3 +63,15 @@ class Validation:
             raise self.not_finite(f"the validation loss is {total[0]}")
         count = max(total[2], 1.0)
         return total[0] / count, total[1] / count, int(total[2])
+
+
+@torch.no_grad()
+def same_buffers_as_rank0(model: nn.Module, ctx: DistContext) -> None:
+    """Each rank's BatchNorm statistics (and the EMA's, averaged from them) end the epoch
+    updated by its own last batch: DDP hands out rank 0's only at the next forward. Rank 0's
+    are the ones checkpoints save, so every rank validates with them: the figure is then
+    the saved model's (what `ddpcli eval` measures), not a blend of each rank's copy."""
+    if not ctx.distributed:
+        return
+    for buffer in model.buffers():
+        torch.distributed.broadcast(buffer, src=0)

@@ -144,7 +144,8 @@ def train_and_summarise(cfg: TrainConfig, ctx: DistContext) -> dict[str, Any]:
     if ctx.is_main:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text(cfg.model_dump_json(indent=2) + "\n")
-    last = Trainer(cfg, ctx, pipeline).fit()
+    trainer = Trainer(cfg, ctx, pipeline)
+    last = trainer.fit()
     summary = {
         **last,
         "out": str(out),
@@ -155,7 +156,9 @@ def train_and_summarise(cfg: TrainConfig, ctx: DistContext) -> dict[str, Any]:
         **skipped_summary(cfg, splits.skipped, out),
     }
     if ctx.is_main:
+        summary.update(trainer.trackers.rows_report())
         (out / SUMMARY_FILE).write_text(ui.json_text(summary, indent=2) + "\n")
+        trainer.finish_trackers(summary)
     return summary
 
 

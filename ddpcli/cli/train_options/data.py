@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated
 
 from ddpcli.cli.train_options import train_option
@@ -13,15 +12,25 @@ Dataset = Annotated[
     str | None,
     train_option(
         "dataset",
-        "Images to train on (stl10, imagefolder: --data-dir), or your own: a factory "
+        "Images to train on (stl10, imagefolder, shards: --data-dir; shards when it holds an "
+        "index.json), or your own: a factory "
         "called with data_dir= and image_size=, returning (train, val, class_names) "
         "(docs/custom.md).",
         PANEL,
-        metavar="[synthetic|stl10|imagefolder|pkg.module:factory]",
+        metavar="[synthetic|stl10|imagefolder|shards|pkg.module:factory]",
     ),
 ]
 
-DataDir = Annotated[Path | None, train_option("data_dir", "Data folder.", PANEL, default="none")]
+# Text, not a Path (which would make s3://bucket into s3:/bucket): the config makes it one.
+DataDir = Annotated[
+    str | None,
+    train_option(
+        "data_dir",
+        "Data folder; for --dataset shards also a URL: s3://, gs://, http(s):// (docs/train.md).",
+        PANEL,
+        default="none",
+    ),
+]
 
 Download = Annotated[bool | None, train_option("download", "Fetch STL-10 on rank 0 first.", PANEL)]
 
@@ -54,6 +63,15 @@ Workers = Annotated[
 ]
 
 SkipBadImages = Annotated[bool | None, train_option("skip_bad_images", panel=PANEL)]
+
+ShuffleBuffer = Annotated[
+    int | None,
+    train_option(
+        "shuffle_buffer",
+        panel=PANEL,
+        default="from the node's memory (1/8 of it over its streams, 64 to 10000 samples)",
+    ),
+]
 
 Augment = Annotated[
     str | None,

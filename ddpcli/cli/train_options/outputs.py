@@ -52,7 +52,57 @@ LogDir = Annotated[
 
 LogEvery = Annotated[int | None, train_option("log_every", panel=PANEL)]
 
+ProfileSteps = Annotated[
+    str | None,
+    train_option(
+        "profile_steps",
+        "One torch.profiler trace per rank, of the steps after step A up to step B, in "
+        "OUT/profile/ (Perfetto UI, Holistic Trace Analysis).",
+        PANEL,
+        default="off",
+        metavar="A:B",
+    ),
+]
+
 Tensorboard = Annotated[bool | None, train_option("tensorboard", panel=PANEL)]
+
+Tracker = Annotated[
+    str | None,
+    train_option(
+        "tracker",
+        "Experiment trackers fed by rank 0 (a comma list); MLflow and W&B are extras.",
+        PANEL,
+        default="none",
+        metavar="csv,mlflow,wandb,tensorboard",
+    ),
+]
+
+TrackingUri = Annotated[
+    str | None,
+    train_option(
+        "tracking_uri",
+        "MLflow's tracking server or store.",
+        PANEL,
+        default="MLFLOW_TRACKING_URI, else OUT/mlflow.db",
+    ),
+]
+
+Experiment = Annotated[
+    str | None,
+    train_option(
+        "experiment", "The trackers' experiment (W&B: project).", PANEL,
+        default="the recipe's name, else ARCH-DATASET",
+    ),
+]  # fmt: skip
+
+RunName = Annotated[
+    str | None,
+    train_option("run_name", "The trackers' run name.", PANEL, default="the --out folder's name"),
+]
+
+TrackerStrict = Annotated[bool | None, train_option("tracker_strict", panel=PANEL)]
+
+TrackerCheckpoints = Annotated[bool | None, train_option("tracker_checkpoints", panel=PANEL)]
 
 PreemptSignal = Annotated[
     str | None,

@@ -49,3 +49,20 @@ Gpu0Batch = Annotated[
 BucketCapMb = Annotated[float | None, train_option("bucket_cap_mb", panel=PANEL)]
 
 FindUnusedParameters = Annotated[bool | None, train_option("find_unused_parameters", panel=PANEL)]
+
+StaticGraph = Annotated[bool | None, train_option("static_graph", panel=PANEL)]
+
+GradientAsBucketView = Annotated[bool | None, train_option("gradient_as_bucket_view", panel=PANEL)]
+
+GradCompression = Annotated[
+    str | None,
+    train_option(
+        "grad_compression",
+        "What DDP all-reduces: fp32 gradients (none), fp16 or bf16 casts (half the bytes), or "
+        "PowerSGD's rank-RANK factors with error feedback (powersgd: rank 2).",
+        PANEL,
+        metavar="none|fp16|bf16|powersgd[:RANK]",
+    ),
+]
+
+PowersgdStartStep = Annotated[int | None, train_option("powersgd_start_step", panel=PANEL)]

@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ddpcli.data.shards.storage import is_url, shard_store
 from ddpcli.errors import usage_error
 from ddpcli.files import fsync_dir, write_text_atomic
 
@@ -91,16 +92,18 @@ def write_index(out: Path, index: ShardIndex) -> Path:
     return path
 
 
-def read_index(out: Path) -> ShardIndex:
-    """The index of OUT, or exit 2 saying why there is none to read."""
-    path = out / INDEX_NAME
-    if not path.is_file():
+def read_index(out: str | Path) -> ShardIndex:
+    """The index of OUT (a folder or a URL), or exit 2 saying why there is none to read."""
+    store = shard_store(out)
+    path = store.url(INDEX_NAME)
+    if not store.exists(INDEX_NAME):
+        store.check_container()
         raise usage_error(
-            f"{path} is missing: {out} holds no packed shards; pack them with "
-            "`ddpcli data pack SRC OUT`"
+            f"{path} is missing: {store.shown} holds no packed shards; pack them with "
+            "`ddpcli data pack SRC OUT`" + (" and upload OUT there" if is_url(out) else "")
         )
     try:
-        document = json.loads(path.read_text())
+        document = json.loads(store.read_text(INDEX_NAME))
         return index_from_document(document)
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
         raise usage_error(

@@ -1,0 +1,298 @@
+"""`ddpcli train --dataset shards`: an epoch planned from the index alone, streamed by every
+rank's loader workers, each sample once; stopped mid-epoch at 3 ranks and resumed at 2 from
+the checkpoint's stream position, each sample still once; the bad inputs said in one line."""
+
+from __future__ import annotations
+
+import io
+import json
+import sys
+import tarfile
+import time
+import tracemalloc
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from conftest import LiveProcess, clean_env, free_port, read_metrics, run_cli, write_noise_folder
+
+from ddpcli.checkpoint.loading import safe_load
+from ddpcli.data.shards.index import (
+    ShardIndex,
+    ShardRecord,
+    SplitIndex,
+    index_document,
+    index_from_document,
+    read_index,
+)
+from ddpcli.data.shards.plan import (
+    after_consumed,
+    deal,
+    fresh_plan,
+    pieces_length,
+    shard_table,
+    whole_streams,
+)
+from ddpcli.data.shards.storage import shard_store
+from ddpcli.data.shards.stream import BadShard, part_samples, shard_samples
+
+PER_CLASS = 12  # 3 classes: 36 train and 36 val images
+BAD_KEY = "train/owl/5"  # written as a file that is no image
+
+
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory) -> Path:
+    """36 train and 36 val images of 16 px in shards of about 9 samples (4 train shards: fewer
+    than 3 ranks x 2 workers' streams), one train member undecodable."""
+    root = tmp_path_factory.mktemp("shards")
+    write_noise_folder(root / "src", per_class=PER_CLASS)
+    (root / "src" / f"{BAD_KEY}.png").write_bytes(b"not a png")
+    out = root / "out"
+    result = run_cli("data", "pack", str(root / "src"), str(out), "--shard-size", "24KB")
+    assert result.returncode == 0, result.stderr[-2000:]
+    return out
+
+
+def all_numbers(out: Path, split: str = "train") -> list[int]:
+    return list(range(read_index(out).splits[split].samples))
+
+
+# --- The plan: pure arithmetic, and the streams read back ---------------------------------
+
+
+def test_any_world_deals_the_rest_of_an_epoch_so_each_sample_is_read_once(packed):
+    """The fresh epoch at 3 ranks x 2 workers, some outputs of each part trained, the rest dealt
+    at 2 x 1 and at 1 x 3: the streams replayed through their seeded buffers give every
+    sample exactly once."""
+    store, table = shard_store(packed), shard_table(read_index(packed).splits["train"])
+    plan = fresh_plan(table, seed=0, epoch=1, ranks=3, workers=2, buffer=4)
+    assert len(plan.streams) == 6 and len(table.names) < 6  # fewer shards than streams
+
+    def numbers(parts) -> list[int]:
+        return [s.number for part in parts for s in part_samples(store, table, plan, part)]
+
+    parts = [part for rank in deal(whole_streams(plan), 3, 2) for part in rank]
+    fresh = numbers(parts)
+    assert sorted(fresh) == all_numbers(packed)
+    assert fresh != sorted(fresh)  # the shard order and the buffers shuffle
+    consumed = [3, 0, 5, 1, 2, 6]
+    trained = [
+        n for part, done in zip(parts, consumed, strict=True) for n in numbers([part])[:done]
+    ]
+    left = after_consumed(parts, consumed)
+    assert pieces_length(left) == len(fresh) - sum(consumed)
+    for ranks, workers in ((2, 1), (1, 3), (4, 2)):
+        rest = numbers([part for rank in deal(left, ranks, workers) for part in rank])
+        assert Counter(trained + rest) == Counter(fresh), (ranks, workers)
+
+
+def test_a_shard_cut_short_or_unlike_its_index_is_named(packed, tmp_path):
+    index = read_index(packed)
+    name = index.splits["train"].shards[0].name
+    data = (packed / name).read_bytes()
+    (tmp_path / name).write_bytes(data[: len(data) // 2])
+    table = shard_table(index.splits["train"])
+    plan = fresh_plan(table, 0, 0, 1, 1, 1)
+    first = [(0, 0, table.counts[0])]
+    plan.order = list(range(len(table.names)))  # shard 0 first
+    # Cut inside a member or between two: either way named, and said to be cut short.
+    with pytest.raises(BadShard, match=rf"^shard {tmp_path}/{name} .*cut short.*: it does not "
+                       rf"match {tmp_path}/index.json; check the shards with `ddpcli data "
+                       rf"verify {tmp_path}`"):  # fmt: skip
+        list(part_samples(shard_store(tmp_path), table, plan, first))
+    with tarfile.open(tmp_path / name, "w") as tar:  # a whole tar of one sample
+        for member, data in (("a.png", b"png"), ("a.cls", b"0")):
+            info = tarfile.TarInfo(member)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    with pytest.raises(BadShard, match=rf"holds 1 samples, the index says {table.counts[0]}"):
+        list(part_samples(shard_store(tmp_path), table, plan, first))
+
+
+def test_the_plan_holds_no_per_sample_state(packed):
+    """The index, the plan and the position of 1.28 M samples (5000 shards of 256) take the
+    same memory as of ten times as many: nothing grows with the samples (docs/train.md)."""
+
+    def resident(per_shard: int) -> int:
+        records = [ShardRecord(f"train-{n:06d}.tar", per_shard, 1 << 28, "0" * 64)
+                   for n in range(5000)]  # fmt: skip
+        document = index_document(ShardIndex("imagefolder", 0, 1 << 28, {
+            "train": SplitIndex(["a", "b"], records), "val": SplitIndex(["a", "b"], records[:50]),
+        }))  # fmt: skip
+        text = json.dumps(document)
+        tracemalloc.start()
+        index = index_from_document(json.loads(text))
+        table = shard_table(index.splits["train"])
+        plan = fresh_plan(table, 0, 3, ranks=64, workers=8, buffer=1000)
+        parts = [part for rank in deal(whole_streams(plan), 64, 8) for part in rank]
+        position = {"plan": plan.document(), "pieces": after_consumed(parts, [7] * len(parts))}
+        size, _ = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        assert table.samples == 5000 * per_shard and position
+        return size
+
+    imagenet = resident(256)
+    assert imagenet < 8 << 20
+    assert resident(2560) == pytest.approx(imagenet, rel=0.05)
+
+
+# --- Training: 3 ranks stopped inside epoch 1, resumed at 2 --------------------------------
+
+SETTINGS = [
+    "--cpu", "--arch", "tinycnn", "--image-size", "16", "--per-gpu-batch", "2", "--epochs", "2",
+    "--timeout", "60", "--skip-bad-images", "--shuffle-buffer", "3",
+]  # fmt: skip
+
+
+def traced(trace: Path, ranks: int, epoch: int) -> Counter:
+    seen: Counter = Counter()
+    for rank in range(ranks):
+        for line in trace.with_name(f"{trace.name}.rank{rank}").read_text().splitlines():
+            record = json.loads(line)
+            if record["epoch"] == epoch:
+                seen.update(record["indices"])
+    return seen
+
+
+def test_stopped_at_3_ranks_and_resumed_at_2_each_sample_once(packed, tmp_path):
+    out, trace = tmp_path / "run", tmp_path / "trace"
+    env = {"DDPCLI_TRACE_SAMPLES": str(trace)}
+    # No --dataset: a --data-dir that holds index.json is read as shards.
+    first = run_cli("train", *SETTINGS, "--data-dir", str(packed), "--nproc", "3",
+                    "--workers", "2", "--max-steps", "2", "--out", str(out), env=env,
+                    timeout=240)  # fmt: skip
+    assert first.returncode == 0, first.stderr[-3000:]
+    said = first.stderr
+    good = sorted(set(all_numbers(packed)) - {bad_number(packed)})  # 35 of 36
+    assert "tinycnn on shards at 16 px · 35 train samples per epoch, each once (each rank's " \
+        "last micro-batch takes its rest: 3 to 4) / 36 val samples" in said  # fmt: skip
+    assert "cut into 6 streams (3 ranks x 2 loader workers); 4 shards for 6 streams: split by " \
+        "samples, so a stream may begin and end inside a shard; shuffle buffer 3 samples per " \
+        "stream" in said  # fmt: skip
+    assert "every rank runs 5 micro-batches, its last one holding the rest of its share" in said
+    assert f".tar:{BAD_KEY}); all of them in {out}/skipped_images.txt" in said
+    position = safe_load(out / "checkpoints" / "last.pt")["stream_position"]
+    pieces = [tuple(piece) for piece in position["pieces"]]
+    assert len(position["plan"]["streams"]) == 6 and pieces_length(pieces) == 35 - 2 * 2 * 3
+
+    second = run_cli("train", *SETTINGS, "--data-dir", str(packed), "--nproc", "2",
+                     "--workers", "1", "--resume", "auto", "--out", str(out), env=env,
+                     timeout=240)  # fmt: skip
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "epoch 1: 12 of 35 samples trained before the resume; the other 23 dealt from the " \
+        "saved stream position over 2 ranks x 1 streams, 5 batches of 2 each, the last of them " \
+        "3 to 4 (the tail folded in)" in second.stderr  # fmt: skip
+    assert traced(trace, 3, epoch=0) == Counter(good)  # each sample of epoch 1 once
+    assert traced(trace, 3, epoch=1) == Counter(good)  # and of epoch 2, at 2 ranks
+    metrics = read_metrics(out)
+    assert [(m["epoch"], m["world_size"]) for m in metrics] == [(1, 2), (2, 2)]
+    assert {m["val_samples"] for m in metrics} == {36}  # every val sample once, unpadded
+
+
+def test_a_host_joining_mid_epoch_changes_the_world_and_each_sample_is_still_trained_once(
+    packed, tmp_path
+):
+    """Elastic membership (`--nnodes 1:2`): a host trains alone (slowed, so that the second
+    arrives mid-run); the second joins, the first stops at an agreed step and saves its stream
+    position, and both go on as a world of 2 from it. Every epoch still trains each sample
+    exactly once (a lost host restarts the same way, from the last checkpoint's position)."""
+    out, trace, endpoint = tmp_path / "run", tmp_path / "trace", f"127.0.0.1:{free_port()}"
+    command = [
+        sys.executable, "-m", "ddpcli", "train", "--cpu", "--arch", "tinycnn", "--image-size",
+        "16", "--per-gpu-batch", "2", "--epochs", "3", "--log-every", "2", "--skip-bad-images",
+        "--shuffle-buffer", "3", "--data-dir", str(packed), "--nproc", "1", "--nnodes", "1:2",
+        "--rdzv-endpoint", endpoint, "--timeout", "60", "--out", str(out),
+    ]  # fmt: skip
+    env = {**clean_env(), "DDPCLI_TRACE_SAMPLES": str(trace), "DDPCLI_SLOW_DATA": "0:0.25"}
+    first = LiveProcess(command, env)
+    second = None
+    try:
+        first.wait_for("epoch 1/3 step", timeout=150)
+        second = LiveProcess(command, env)
+        deadline = time.monotonic() + 180
+        codes = [node.finish(deadline - time.monotonic()) for node in (first, second)]
+    finally:
+        for node in (first, second):
+            if node is not None:
+                node.kill()
+    logs = f"{first.stderr[-2500:]}\n---\n{second.stderr[-1500:]}"
+    assert codes == [0, 0], logs
+    assert "a new round of the job: resuming from the last checkpoint" in first.stderr, logs
+    assert "dealt from the saved stream position over 2 ranks" in first.stderr, logs
+    good = Counter(sorted(set(all_numbers(packed)) - {bad_number(packed)}))
+    for epoch in range(3):
+        assert traced(trace, 2, epoch) == good, (epoch, logs)
+    assert [m["world_size"] for m in read_metrics(out)][-1] == 2, logs
+
+
+def bad_number(out: Path) -> int:
+    """The sample number of BAD_KEY: its shard's first number + its position there."""
+    split = read_index(out).splits["train"]
+    first = 0
+    for record in split.shards:
+        keys = tar_keys(out / record.name)
+        if BAD_KEY in keys:
+            return first + keys.index(BAD_KEY)
+        first += record.samples
+    raise AssertionError(f"{BAD_KEY} is in no shard")
+
+
+def tar_keys(path: Path) -> list[str]:
+    with tarfile.open(path) as tar:
+        return list(dict.fromkeys(member.name.partition(".")[0] for member in tar))
+
+
+# --- Bad input: exit 2, one line, before any worker starts ---------------------------------
+
+
+def copy_of(packed: Path, folder: Path) -> Path:
+    folder.mkdir()
+    for path in packed.iterdir():
+        (folder / path.name).write_bytes(path.read_bytes())
+    return folder
+
+
+def train_on(folder: Path, *extra: str):
+    return run_cli("train", "--cpu", "--nproc", "2", "--dataset", "shards", "--data-dir",
+                   str(folder), "--dry-run", *extra, timeout=60)  # fmt: skip
+
+
+def test_bad_shards_and_indexes_exit_2_with_one_line(packed, tmp_path):
+    truncated = copy_of(packed, tmp_path / "truncated")
+    shard = truncated / "train-000002.tar"
+    shard.write_bytes(shard.read_bytes()[:1000])
+    result = train_on(truncated)
+    assert result.returncode == 2
+    assert (
+        result.stderr.strip()
+        .splitlines()[-1]
+        .startswith(f"error: shard {shard} holds 1,000 bytes, index.json says")
+    )
+    assert "the index does not match its shards" in result.stderr
+
+    empty = copy_of(packed, tmp_path / "empty")
+    document = json.loads((empty / "index.json").read_text())
+    document["splits"]["val"]["shards"] = []
+    (empty / "index.json").write_text(json.dumps(document))
+    result = train_on(empty)
+    assert result.returncode == 2 and "its val split is empty" in result.stderr
+    assert "Traceback" not in result.stderr
+
+    result = train_on(packed, "--ra-reps", "2")
+    assert result.returncode == 2 and "invalid --ra-reps" in result.stderr
+
+
+def test_an_undecodable_member_is_named_as_shard_and_key(packed):
+    """Without --skip-bad-images the member stops the run (exit 2: UnreadableImage, raised in
+    a loader worker as for image folders), named as `shard:key`."""
+    from ddpcli.data.decode import UnreadableImage
+    from ddpcli.data.shards.feed import MemberImages
+
+    table = shard_table(read_index(packed).splits["train"])
+    shard = next(n for n, name in enumerate(table.names) if BAD_KEY in tar_keys(packed / name))
+    samples = shard_samples(shard_store(packed), table, shard, 0, table.counts[shard])
+    bad = next(sample for sample in samples if sample.name.endswith(BAD_KEY))
+    with pytest.raises(UnreadableImage) as raised:
+        MemberImages(16, 0, "rrc").image(bad, epoch=0)
+    assert raised.value.message.startswith(f"cannot decode image {table.names[shard]}:{BAD_KEY}: ")
+    assert raised.value.exit_code == 2 and "--skip-bad-images" in raised.value.message
