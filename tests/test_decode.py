@@ -5,6 +5,7 @@ pixels as a full decode followed by torchvision's antialiased resize."""
 from __future__ import annotations
 
 import functools
+import io
 
 import numpy as np
 import pytest
@@ -13,7 +14,9 @@ from PIL import Image
 
 from ddpcli.data.augment import crop_box_one, resized_crop_one
 from ddpcli.data.decode import (
+    EncodedImage,
     UnreadableImage,
+    libjpeg_decoder,
     read_resized_crop,
     read_rgb,
     read_rgb_at_least,
@@ -101,3 +104,68 @@ def test_an_unreadable_file_is_named(tmp_path):
     with pytest.raises(UnreadableImage, match="broken.jpg") as error:
         read_resized_crop(bad, functools.partial(crop_box_one, 0, 0, 0), 16)
     assert error.value.exit_code == 2
+
+
+def test_a_full_scale_jpeg_goes_straight_from_libjpeg_into_a_tensor(photos, monkeypatch):
+    """224 px crops of an ImageNet-sized JPEG leave no reduced scale: libjpeg-turbo decodes
+    them into a tensor (PIL only reads the header), with torchvision's pixels to the last
+    bit, and the batch gets contiguous images (stacked many times faster than interleaved)."""
+    from PIL import ImageFile
+
+    if libjpeg_decoder() is None:
+        pytest.skip("this torchvision no longer decodes JPEGs: PIL does (the same pixels)")
+    jpeg, _ = photos[0]
+    wants = {epoch: full_decode_crop(jpeg, 0, epoch, 224) for epoch in range(3)}
+    side = resize_side(224)
+    want_view = centre_view(read_rgb(jpeg), 224)
+
+    def no_pil_decode(self):
+        raise AssertionError("PIL decoded the pixels")
+
+    monkeypatch.setattr(ImageFile.ImageFile, "load", no_pil_decode)
+    for epoch, want in wants.items():
+        got = read_resized_crop(jpeg, functools.partial(crop_box_one, 0, 0, epoch), 224)
+        assert torch.equal(got, want) and got.is_contiguous(), epoch
+    assert torch.equal(centre_view(read_rgb_at_least(jpeg, side), 224), want_view)
+
+
+def test_the_box_is_drawn_from_the_stored_size_at_every_scale(photos):
+    """Seeds mean the same crops whichever way the JPEG decodes: the box is drawn from the
+    size stored in the file, never from a reduced decode's."""
+    jpeg, _ = photos[1]
+    for size in (16, 64, 224):
+        asked = []
+
+        def box_for(height, width, asked=asked):
+            asked.append((height, width))
+            return crop_box_one(1, 0, 0, height, width)
+
+        read_resized_crop(jpeg, box_for, size)
+        assert asked == [(375, 500)], size
+
+
+class NamedBytes(io.BytesIO):
+    """A file object that names itself, as a shard's member does."""
+
+    def __init__(self, data: bytes, name: str) -> None:
+        super().__init__(data)
+        self.member_name = name
+
+    def __str__(self) -> str:
+        return self.member_name
+
+
+def test_bytes_from_a_shard_decode_as_the_file_does_and_are_named(photos):
+    """A shard's member, as bytes or as a file object, decodes to the file's pixels; a bad
+    one is named as `shard:key`."""
+    jpeg, _ = photos[0]
+    data, name = jpeg.read_bytes(), "train-000000.tar:00007"
+    box_for = functools.partial(crop_box_one, 7, 0, 0)
+    for size in (32, 224):
+        want = read_resized_crop(jpeg, box_for, size)
+        assert torch.equal(read_resized_crop(EncodedImage(name, data), box_for, size), want)
+        assert torch.equal(read_resized_crop(NamedBytes(data, name), box_for, size), want)
+    for truncated in (EncodedImage(name, data[:20_000]), NamedBytes(data[:20_000], name)):
+        with pytest.raises(UnreadableImage, match=r"train-000000\.tar:00007: .*truncated") as error:
+            read_resized_crop(truncated, box_for, 224)
+        assert error.value.exit_code == 2

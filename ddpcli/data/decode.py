@@ -1,22 +1,33 @@
 """Image files to uint8 pixels, as torchvision's ImageFolder reads them (PIL, then RGB),
-and the loader path's faster twins: JPEGs decoded at a reduced scale when the pixels are
-downsampled anyway.
+and the loader path's faster twins for JPEGs, whose pixels are resized anyway.
 
-libjpeg can decode at 1/2, 1/4 or 1/8 of the size (PIL's `draft`): it skips most of the
-inverse DCT and the colour conversion, the bulk of a decode. An ImageNet-sized photo
-(about 500x375) cropped at random and resized to 64 or 224 px rarely needs every pixel:
-the decoder is asked for the smallest scale that still leaves the crop at least as large
-as the output, so the resize that follows still only shrinks (antialiased), and the
-pixels stay within interpolation tolerance of a full decode.
+A JPEG's decode is most of an image's cost in a loader worker, so the loader's readers take
+one of two shortcuts, both through libjpeg-turbo:
+- Reduced scale. libjpeg can decode at 1/2, 1/4 or 1/8 of the size (PIL's `draft`): it skips
+  most of the inverse DCT and the colour conversion. An ImageNet-sized photo (about 500x375)
+  cropped at random and resized to 64 px rarely needs every pixel: the decoder is asked for
+  the smallest scale that still leaves the crop at least as large as the output, so the
+  resize that follows still only shrinks (antialiased), and the pixels stay within
+  interpolation tolerance of a full decode.
+- Full scale, straight into a tensor. Where no reduced scale keeps enough pixels (most
+  224 px crops), libjpeg-turbo decodes through `torchvision.io.decode_jpeg`, the same
+  library and settings as PIL's, so the same pixels, without PIL's 4-byte-per-pixel image
+  and its copy into a tensor; the pixels stay interleaved (channels last), which is the
+  layout torch's vectorised uint8 antialiased resize reads. torchvision deprecates its
+  decoders from 0.29: where they are gone, PIL decodes instead (same pixels, slower).
+The box a crop cuts is drawn from the stored size either way: a seed means the same crops.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import io
 import math
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, BinaryIO, NamedTuple
 
 import torch
 
@@ -25,6 +36,7 @@ from ddpcli.errors import USAGE, DdpcliError, first_line
 if TYPE_CHECKING:
     from collections.abc import Callable
 
+    import numpy as np
     from PIL.Image import Image
 
     from ddpcli.data.augment import CropBox
@@ -44,15 +56,41 @@ class UnreadableImage(DdpcliError):
         super().__init__(last.split(f"{UnreadableImage.__name__}: ", 1)[-1], USAGE)
 
 
+class EncodedImage(NamedTuple):
+    """An image file's bytes held in memory (a shard's member), and the name an error reports
+    it by (`shard:key`)."""
+
+    name: str
+    data: bytes
+
+
+# An image file: its path, its bytes, or a binary file object whose str() names it.
+ImageSource = Path | EncodedImage | BinaryIO
+
+
+def encoded(source: ImageSource) -> EncodedImage:
+    """SOURCE's bytes, read whole (PIL parses the header from them, libjpeg the rest), and
+    the name an error reports it by."""
+    if isinstance(source, EncodedImage):
+        return source
+    if isinstance(source, io.BytesIO):
+        return EncodedImage(str(source), source.getvalue())
+    if hasattr(source, "read"):
+        return EncodedImage(str(source), source.read())
+    return EncodedImage(str(source), Path(source).read_bytes())
+
+
 @contextlib.contextmanager
-def opened(path: Path) -> Iterator[Image]:
-    """PATH opened by PIL; any failure to read or decode it (also while the caller decodes)
-    becomes UnreadableImage, naming the file."""
+def opened(source: ImageSource) -> Iterator[tuple[Image, bytes]]:
+    """SOURCE opened by PIL (its header read), and its bytes; any failure to read or decode it
+    (also while the caller decodes) becomes UnreadableImage, naming the file."""
     from PIL import Image
 
+    name = source.name if isinstance(source, EncodedImage) else str(source)
     try:
-        with Image.open(path) as image:
-            yield image
+        file = encoded(source)
+        with Image.open(io.BytesIO(file.data)) as image:
+            yield image, file.data
     except (OSError, SyntaxError, ValueError, EOFError, Image.DecompressionBombError) as error:
         reason = (
             "not an image file PIL can read"
@@ -60,7 +98,7 @@ def opened(path: Path) -> Iterator[Image]:
             else first_line(error)
         )
         raise UnreadableImage(
-            f"cannot decode image {path}: {reason}; fix or delete the file, or pass "
+            f"cannot decode image {name}: {reason}; fix or delete the file, or pass "
             "--skip-bad-images to leave such files out"
         ) from None
 
@@ -118,11 +156,61 @@ def to_tensor(image: Image) -> torch.Tensor:
     return pil_to_tensor(image)
 
 
-def read_rgb(path: Path) -> torch.Tensor:
-    """uint8 (3, H, W), every pixel. PIL decodes: torchvision.io's decoders are deprecated
-    from 0.29."""
-    with opened(path) as image:
+def read_rgb(source: ImageSource) -> torch.Tensor:
+    """uint8 (3, H, W), every pixel, as ImageFolder reads them (PIL decodes: this feeds the
+    caches and --skip-bad-images' threads, where PIL lets go of the GIL)."""
+    with opened(source) as (image, _):
         return to_tensor(as_rgb(image))
+
+
+@functools.cache
+def libjpeg_decoder() -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """torchvision's libjpeg-turbo decoder to RGB, or None where it is gone (deprecated from
+    torchvision 0.29) or its image extension did not load: tried once on a tiny JPEG."""
+    from PIL import Image
+
+    try:
+        from torchvision.io import ImageReadMode, decode_jpeg
+
+        decoder = functools.partial(decode_jpeg, mode=ImageReadMode.RGB)
+        sample = io.BytesIO()
+        Image.new("RGB", (16, 8), (200, 100, 50)).save(sample, "JPEG")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            decoded = decoder(torch.frombuffer(bytearray(sample.getvalue()), dtype=torch.uint8))
+    except (ImportError, RuntimeError, TypeError):
+        return None
+    return decoder if decoded.shape == (3, 8, 16) else None
+
+
+def straight_to_tensor(image: Image) -> bool:
+    """Whether IMAGE, opened and not yet decoded, may be decoded by libjpeg-turbo straight into
+    a tensor: a plain JPEG that PIL reads as RGB (grey, CMYK and MPO go through PIL, whose
+    conversions ImageFolder's pixels are), where torchvision still decodes."""
+    return image.format == "JPEG" and image.mode == "RGB" and libjpeg_decoder() is not None
+
+
+def jpeg_pixels(data: bytes) -> torch.Tensor:
+    """uint8 (3, H, W), every pixel of the JPEG DATA: libjpeg-turbo at PIL's settings (the
+    same pixels as PIL's), strided channels last as libjpeg writes them. A corrupt or
+    truncated file raises OSError, with libjpeg's reason."""
+    decoder = libjpeg_decoder()
+    assert decoder is not None  # straight_to_tensor said so
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # see the module's docstring
+        try:
+            return decoder(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        except RuntimeError as error:  # "decode_jpeg, <source>.cpp:171, <libjpeg's reason>"
+            raise OSError(str(error).split(".cpp:", 1)[-1].split(", ", 1)[-1]) from None
+
+
+def resized_uint8(pixels: torch.Tensor, size: int) -> torch.Tensor:
+    """uint8 (3, H, W) to (3, SIZE, SIZE), bilinear and antialiased: torchvision's uint8 resize
+    (PIL's resampler), given the interleaved layout its vectorised kernel reads."""
+    batch = pixels[None].contiguous(memory_format=torch.channels_last)
+    return torch.nn.functional.interpolate(
+        batch, size=(size, size), mode="bilinear", antialias=True, align_corners=False
+    )[0]
 
 
 def reduce_while_decoding(image: Image, width: int, height: int) -> int:
@@ -133,35 +221,61 @@ def reduce_while_decoding(image: Image, width: int, height: int) -> int:
     return max(1, round(full_width / image.size[0]))
 
 
-def read_rgb_at_least(path: Path, side: int) -> torch.Tensor:
+def read_rgb_at_least(source: ImageSource, side: int) -> torch.Tensor:
     """uint8 (3, H, W) with the shorter side at least SIDE where the file allows (a JPEG may
-    decode smaller than stored): for views that resize the shorter side to SIDE."""
-    with opened(path) as image:
+    decode smaller than stored): for views that resize the shorter side to SIDE. A JPEG at
+    full scale comes from libjpeg channels last, which torchvision's resize reads fastest."""
+    with opened(source) as (image, data):
         width, height = image.size
         scale = side / max(1, min(width, height))
-        reduce_while_decoding(image, math.ceil(width * scale), math.ceil(height * scale))
+        reduce = reduce_while_decoding(image, math.ceil(width * scale), math.ceil(height * scale))
+        if reduce == 1 and straight_to_tensor(image):
+            return jpeg_pixels(data)
         return to_tensor(as_rgb(image))
 
 
-def read_resized_crop(path: Path, box_for: CropBoxFor, size: int) -> torch.Tensor:
-    """uint8 (3, SIZE, SIZE): the box that BOX_FOR draws from the image's stored (height,
-    width), cut and resized (bilinear, antialiased: PIL's uint8 resampler, the one
+def read_resized_crop(source: ImageSource, box_for: CropBoxFor, size: int) -> torch.Tensor:
+    """uint8 (3, SIZE, SIZE), contiguous: the box that BOX_FOR draws from the image's stored
+    (height, width), cut and resized (bilinear, antialiased: PIL's uint8 resampler, the one
     torchvision's antialiased resize reproduces) and mirrored if drawn so. The JPEG decodes
-    at the smallest scale that leaves the box at least SIZE on each side."""
-    from PIL import Image as PILImage
-
-    with opened(path) as image:
+    at the smallest scale that leaves the box at least SIZE on each side; at full scale,
+    libjpeg-turbo decodes it straight into a tensor (the module's docstring)."""
+    with opened(source) as (image, data):
         width, height = image.size
         box = box_for(height, width)
         reduce = reduce_while_decoding(
             image, math.ceil(width * size / box.width), math.ceil(height * size / box.height)
         )
-        region = (  # the box in the decoded pixels: a reduced pixel covers REDUCE stored ones
-            box.left / reduce,
-            box.top / reduce,
-            (box.left + box.width) / reduce,
-            (box.top + box.height) / reduce,
-        )
-        crop = as_rgb(image).resize((size, size), PILImage.Resampling.BILINEAR, box=region)
-    pixels = to_tensor(crop)
-    return pixels.flip(2) if box.flip else pixels
+        if reduce == 1 and straight_to_tensor(image):
+            whole = jpeg_pixels(data)
+            crop = whole[:, box.top : box.top + box.height, box.left : box.left + box.width]
+            interleaved = resized_uint8(crop, size).permute(1, 2, 0).numpy()
+        else:
+            interleaved = reduced_crop(image, box, reduce, size)
+    return planes(interleaved, box.flip)
+
+
+def reduced_crop(image: Image, box: CropBox, reduce: int, size: int) -> np.ndarray:
+    """uint8 (SIZE, SIZE, 3): the BOX (in stored pixels) of IMAGE decoded by PIL at 1/REDUCE
+    scale, resized with PIL's uint8 resampler, which takes the box's fractional edges as
+    they are."""
+    import numpy as np
+    from PIL import Image as PILImage
+
+    region = (  # the box in the decoded pixels: a reduced pixel covers REDUCE stored ones
+        box.left / reduce,
+        box.top / reduce,
+        (box.left + box.width) / reduce,
+        (box.top + box.height) / reduce,
+    )
+    return np.asarray(as_rgb(image).resize((size, size), PILImage.Resampling.BILINEAR, box=region))
+
+
+def planes(interleaved: np.ndarray, flip: bool) -> torch.Tensor:
+    """uint8 (3, H, W), contiguous, from (H, W, 3), mirrored if FLIP, in one copy. A loader
+    batch stacks contiguous images about 20 times faster than interleaved ones: at 224 px,
+    stacking interleaved ones cost more than the resize, this copy a third of that."""
+    import numpy as np
+
+    mirrored = interleaved[:, ::-1] if flip else interleaved
+    return torch.from_numpy(np.ascontiguousarray(mirrored.transpose(2, 0, 1)))
