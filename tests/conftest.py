@@ -164,8 +164,25 @@ def has_cuda() -> bool:
     return torch.cuda.is_available()
 
 
+# The modules whose tests run longest (whole jobs stopped, resumed, cut off, joined),
+# handed out first: pytest-xdist deals tests in collection order, and a long test dealt
+# last keeps one worker busy while the others sit idle.
+LONG_MODULES = (
+    "test_multinode", "test_preempt", "test_faults", "test_recipe_resume", "test_trackers",
+    "test_loop_safety", "test_custom", "test_export", "test_shards_train", "test_shards_remote",
+    "test_speed_paths", "test_lr", "test_eval", "test_run_folders", "test_world_change",
+)  # fmt: skip
+
+
+def long_first(item) -> int:
+    name = item.module.__name__ if item.module is not None else ""
+    return LONG_MODULES.index(name) if name in LONG_MODULES else len(LONG_MODULES)
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tests marked `gpu` exist everywhere and run only where CUDA does."""
+    """Long modules first (a stable sort: each module's tests stay together, in order);
+    tests marked `gpu` exist everywhere and run only where CUDA does."""
+    items.sort(key=long_first)
     if has_cuda():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

@@ -70,9 +70,10 @@ def replica_worker(rank: int, port: int, out: str) -> None:
     dist.destroy_process_group()
 
 
-def spawn_ranks(worker, out: Path, nprocs: int = 2, method: str = "fork", timeout: float = 150):
+def spawn_ranks(worker, out: Path, nprocs: int = 2, method: str = "spawn", timeout: float = 150):
     """WORKER(rank, port, out) on NPROCS processes; each rank's JSON report, in rank order.
-    Forked by default: a spawned rank would import torch again, seconds on a busy CI core."""
+    Spawned, not forked: a test run earlier in the same pytest worker may have started
+    autograd's threads, and a forked child then refuses to run backward."""
     import torch.multiprocessing as mp
 
     context = mp.start_processes(

@@ -1,0 +1,85 @@
+"""`ddpcli train`'s Data panel: what the ranks read and how each image is prepared."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from ddpcli.cli.train_options import train_option
+
+PANEL = "Data"
+
+Dataset = Annotated[
+    str | None,
+    train_option(
+        "dataset",
+        "Images to train on (stl10, imagefolder, shards: --data-dir; shards when it holds an "
+        "index.json), or your own: a factory "
+        "called with data_dir= and image_size=, returning (train, val, class_names) "
+        "(docs/custom.md).",
+        PANEL,
+        metavar="[synthetic|stl10|imagefolder|shards|pkg.module:factory]",
+    ),
+]
+
+# Text, not a Path (which would make s3://bucket into s3:/bucket): the config makes it one.
+DataDir = Annotated[
+    str | None,
+    train_option(
+        "data_dir",
+        "Data folder; for --dataset shards also a URL: s3://, gs://, http(s):// (docs/train.md).",
+        PANEL,
+        default="none",
+    ),
+]
+
+Download = Annotated[bool | None, train_option("download", "Fetch STL-10 on rank 0 first.", PANEL)]
+
+ImageSize = Annotated[
+    int | None,
+    train_option(
+        "image_size",
+        "Side in px.",
+        PANEL,
+        default="32 synthetic, 96 stl10, 224 imagefolder (64 on the CPU)",
+    ),
+]
+
+SyntheticSize = Annotated[int | None, train_option("synthetic_size", panel=PANEL)]
+
+DataPath = Annotated[
+    str | None,
+    train_option(
+        "data_path",
+        "device: the uint8 set in device memory, augmented there; loader: DataLoader "
+        "workers; auto: device for synthetic/stl10 when the set takes at most a quarter "
+        "of free device memory.",
+        PANEL,
+    ),
+]
+
+Workers = Annotated[
+    int | None,
+    train_option("workers", panel=PANEL, default="CPU cores per local rank - 1, at most 8"),
+]
+
+SkipBadImages = Annotated[bool | None, train_option("skip_bad_images", panel=PANEL)]
+
+ShuffleBuffer = Annotated[
+    int | None,
+    train_option(
+        "shuffle_buffer",
+        panel=PANEL,
+        default="from the node's memory (1/8 of it over its streams, 64 to 10000 samples)",
+    ),
+]
+
+Augment = Annotated[
+    str | None,
+    train_option(
+        "augment",
+        "Training augmentation. rrc: random-resized crop (area 8-100%, aspect 3/4-4/3) "
+        "and flip; crop-flip: 4 px padded crop and flip; none. auto: rrc for image "
+        "folders, crop-flip for synthetic/stl10. Validation is the same for all.",
+        PANEL,
+    ),
+]

@@ -1,0 +1,939 @@
+"""`ddpcli train`'s configuration: the TrainConfig schema, recipes, and the one place that
+turns flags, a recipe and ddpcli's own environment variables into it.
+
+Precedence: built-in defaults < recipe file < command-line flags. `ddpcli.launcher.resolve` then
+fills every "auto" value from the machine, so `config.json` holds what really ran.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import sys
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal, TypeVar, get_args
+
+from pydantic import (
+    AfterValidator,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_validator,
+)
+
+from ddpcli.config.common import (
+    Backend,
+    CommandConfig,
+    DatasetName,
+    GpuList,
+    Membership,
+    Precision,
+    RdzvBackend,
+    check_membership,
+    check_node_rank,
+    check_strict_types,
+    from_comma_text,
+    given,
+    nproc_spec,
+    parse_float_list,
+    pod_defaults,
+    split_nnodes,
+    validated,
+    with_origins,
+)
+from ddpcli.config.data import DataLocation, is_url
+from ddpcli.environments.pods import describe as describe_pod
+from ddpcli.environments.pods import pet_variables
+from ddpcli.errors import DdpcliError, usage_error
+from ddpcli.factories import is_factory_spec
+from ddpcli.models.archs import BUILTIN_ARCHS
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+# DDPCLI_TRACE_SAMPLES=PATH: each rank appends the sample indices of every training batch it
+# is handed to PATH.rankN, one JSON line per batch. A debugging aid, and the evidence the
+# resume tests use that no sample is trained twice or missed (docs/checkpoints.md).
+TRACE_SAMPLES_VARIABLE = "DDPCLI_TRACE_SAMPLES"
+# DDPCLI_SLOW_DATA=RANK:SECONDS: rank RANK waits SECONDS more for each training batch. A
+# straggler made on purpose, to see (and test) what the run reports about it.
+SLOW_DATA_VARIABLE = "DDPCLI_SLOW_DATA"
+# Below a second no rank can even join: init and every collective are bounded by --timeout.
+MIN_TIMEOUT_S = 1.0
+
+LrScaling = Literal["linear", "sqrt", "none"]
+Optimizer = Literal["sgd", "adamw"]
+
+# --lr's default, per 256 images: the ResNet-with-SGD reference rate for torchvision's
+# models; the built-in small nets (three BN conv layers) learn best at twice it, measured on
+# the synthetic set (docs/performance.md, "The default learning rate").
+REFERENCE_LR = 0.1
+BUILTIN_NET_LR = 0.2
+
+
+# AdamW: a common starting rate per 256 images (timm's and DeiT's recipes sit near it),
+# grown with the square root of the batch as timm does for adaptive optimisers; its
+# decoupled weight decay needs a far larger coefficient than SGD's L2 term to matter.
+ADAMW_LR = 1e-3
+# What each optimiser uses unless the flags or the recipe say otherwise.
+OPTIMIZER_DEFAULTS: dict[str, dict[str, Any]] = {
+    "sgd": {"lr_scaling": "linear", "weight_decay": 5e-4, "momentum": 0.9},
+    "adamw": {"lr_scaling": "sqrt", "weight_decay": 0.05, "betas": [0.9, 0.999]},
+}
+
+
+def default_lr(arch: str, optimizer: str = "sgd") -> float:
+    if optimizer == "adamw":
+        return ADAMW_LR
+    return BUILTIN_NET_LR if arch in BUILTIN_ARCHS else REFERENCE_LR
+
+
+def scaled_lr(lr: float, global_batch: int, base_batch: int, rule: LrScaling) -> float:
+    """The peak rate for a GLOBAL_BATCH when LR is the rate for BASE_BATCH images.
+
+    linear: LR x global/base, the rule of Goyal et al. (2017) that torchvision's and timm's
+    references follow (0.1 per 256 images for ResNets with SGD); sqrt: LR x the square root
+    of global/base, gentler for large batches and often used with adaptive optimizers;
+    none: LR as given, whatever the batch.
+    """
+    if rule == "none":
+        return lr
+    ratio = global_batch / base_batch
+    rate = lr * (ratio if rule == "linear" else math.sqrt(ratio))
+    return float(f"{rate:.12g}")  # 0.0375, not 0.037500000000000006, in config.json
+
+
+def describe_lr(lr: float, global_batch: int, base_batch: int, rule: LrScaling) -> str:
+    """`lr 0.1 per 256 images -> 0.025 at global batch 64 (linear)`: the rule and its result."""
+    if rule == "none":
+        return f"lr {lr:g} at global batch {global_batch} (as given: --lr-scaling none)"
+    peak = scaled_lr(lr, global_batch, base_batch, rule)
+    return f"lr {lr:g} per {base_batch} images -> {peak:g} at global batch {global_batch} ({rule})"
+
+
+def accumulate_keeping(global_batch: int, per_gpu_batch: int, world_size: int) -> int | None:
+    """The accumulation that keeps GLOBAL_BATCH at WORLD_SIZE ranks of PER_GPU_BATCH
+    (4 x 16 -> 2 x 16 x 2), or None when that world cannot hold it in whole micro-batches."""
+    per_micro_step = per_gpu_batch * world_size
+    if global_batch % per_micro_step:
+        return None
+    return global_batch // per_micro_step
+
+
+def toml_value(text: str) -> Any:
+    """`4` -> 4, `0.5` -> 0.5, `true` -> True, `[1, 2]` -> [1, 2], `"relu"` -> "relu"; text
+    that is not a TOML value (`relu`) is taken as the string it is."""
+    try:
+        return tomllib.loads(f"value = {text.strip()}")["value"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def parse_model_args(value: Any) -> Any:
+    """`--model-arg KEY=VALUE`, repeatable, as a dict; a recipe may give the table itself."""
+    if not isinstance(value, (list, tuple)):
+        return value
+    parsed: dict[str, Any] = {}
+    for item in value:
+        key, equals, text = str(item).partition("=")
+        key = key.strip()
+        if not equals or not key.isidentifier():
+            raise ValueError("give KEY=VALUE with KEY a keyword of the factory, e.g. depth=4")
+        if key in parsed:
+            raise ValueError(f"{key} is given twice; keep one")
+        parsed[key] = toml_value(text)
+    return parsed
+
+
+def _valid_betas(value: list[float]) -> list[float]:
+    if len(value) != 2 or not all(0 <= beta < 1 for beta in value):
+        raise ValueError("give two numbers in [0, 1), e.g. --betas 0.9,0.999")
+    return value
+
+
+# `--betas 0.9,0.999`: AdamW's moving-average coefficients.
+Betas = Annotated[
+    list[float], from_comma_text(parse_float_list, "betas"), AfterValidator(_valid_betas)
+]
+
+# `--model-arg depth=4 --model-arg act=relu`: keywords for the model's constructor.
+ModelArgs = Annotated[dict[str, Any], BeforeValidator(parse_model_args)]
+
+TrackerName = Literal["csv", "mlflow", "wandb", "tensorboard"]
+
+
+def parse_name_list(text: str, name: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def _each_once(names: list[str]) -> list[str]:
+    return list(dict.fromkeys(names))
+
+
+# `--tracker csv,mlflow`: experiment trackers, each named once.
+TrackerList = Annotated[
+    list[TrackerName], from_comma_text(parse_name_list, "tracker"), AfterValidator(_each_once)
+]
+
+# --grad-compression: what DDP all-reduces (ddpcli.training.compression). PowerSGD's rank 2
+# is Vogels et al.'s choice for ResNets on CIFAR-10, until this project measures its own
+# (docs/performance.md); its first steps go uncompressed, as torch's PowerSGD recommends.
+GRAD_COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
+POWERSGD_DEFAULT_RANK = 2
+POWERSGD_MAX_RANK = 64
+
+
+def parse_grad_compression(value: str) -> str:
+    """`none`, `fp16`, `bf16`, or `powersgd:RANK` (`powersgd` alone: the default rank)."""
+    method, colon, rank = value.strip().lower().partition(":")
+    if method not in GRAD_COMPRESSIONS or (colon and method != "powersgd"):
+        raise ValueError("use none, fp16, bf16, powersgd or powersgd:RANK (e.g. powersgd:2)")
+    if method != "powersgd":
+        return method
+    if not colon:
+        return f"powersgd:{POWERSGD_DEFAULT_RANK}"
+    if not rank.isdigit() or not 1 <= int(rank) <= POWERSGD_MAX_RANK:
+        raise ValueError(f"PowerSGD's rank is a whole number from 1 to {POWERSGD_MAX_RANK}")
+    return f"powersgd:{int(rank)}"
+
+
+def powersgd_rank(grad_compression: str) -> int | None:
+    """The rank of `powersgd:RANK`; None for the other compressions."""
+    method, _, rank = grad_compression.partition(":")
+    return int(rank) if method == "powersgd" else None
+
+
+GradCompression = Annotated[str, AfterValidator(parse_grad_compression)]
+
+
+def parse_profile_steps(value: str) -> str:
+    """`A:B`: the optimizer steps after step A up to step B (step numbers as in steps.jsonl)."""
+    first, colon, last = value.strip().partition(":")
+    if not (colon and first.strip().isdigit() and last.strip().isdigit()):
+        raise ValueError("give A:B, two step numbers, e.g. 10:15 (the 5 steps after step 10)")
+    if int(first) >= int(last):
+        raise ValueError("A must be below B: 10:15 profiles the 5 steps after step 10")
+    return f"{int(first)}:{int(last)}"
+
+
+# --profile-steps A:B (ddpcli.training.profiling).
+ProfileSteps = Annotated[str, AfterValidator(parse_profile_steps)]
+
+
+class TrainConfig(Membership, CommandConfig):
+    """Everything `ddpcli train` needs. Field names are the flags with `_` for `-`."""
+
+    model_config = ConfigDict(validate_assignment=True)
+
+    # data
+    # A built-in set's name, or the user's own factory (`pkg.module:factory`).
+    dataset: str = "synthetic"
+    # A folder, or for --dataset shards a URL (s3://, gs://, http(s)://): saved without the
+    # URL's user:password@ (config.data.DataLocation).
+    data_dir: DataLocation | None = None
+    download: bool = False
+    image_size: int | None = Field(None, ge=8, le=1024)
+    synthetic_size: int = Field(4096, ge=16, description="training images of the synthetic set")
+    data_path: Literal["auto", "device", "loader"] = "auto"
+    workers: int | None = Field(None, ge=0, description="DataLoader workers per rank")
+    skip_bad_images: bool = Field(
+        False,
+        description="leave out image files that cannot be decoded (counted, listed in "
+        "summary.json) instead of stopping; the loader path then decodes each image once "
+        "before training to find them",
+    )
+    shuffle_buffer: int | None = Field(
+        None,
+        ge=1,
+        description="--dataset shards: samples each stream holds to shuffle (1: none); by "
+        "default sized from the node's available memory, stated before the first step",
+    )
+    augment: Literal["auto", "rrc", "crop-flip", "none"] = "auto"
+    # the modern recipe's input side (docs/train.md, "The modern recipe")
+    auto_augment: Literal["ta_wide", "randaugment", "autoaugment", "none"] = Field(
+        "none",
+        description="a torchvision policy on each training image after its crop: "
+        "TrivialAugmentWide, RandAugment or AutoAugment (ImageNet)",
+    )
+    random_erase: float = Field(
+        0.0, ge=0, le=1, description="probability of erasing a random box of each training image"
+    )
+    mixup_alpha: float = Field(0.0, ge=0, description="Mixup's Beta(alpha, alpha); 0: off")
+    cutmix_alpha: float = Field(0.0, ge=0, description="CutMix's Beta(alpha, alpha); 0: off")
+    ra_reps: int = Field(
+        1,
+        ge=1,
+        description="repeated augmentation: each image on this many ranks per epoch, each "
+        "with its own augmentation; 1: off",
+    )
+    train_crop_size: int | None = Field(None, ge=8, le=1024)
+    val_resize_size: int | None = Field(None, ge=8, le=2048)
+    val_crop_size: int | None = Field(None, ge=8, le=1024)
+    # model and optimisation
+    arch: str | None = None
+    model_args: ModelArgs = Field(default_factory=dict)
+    init_from: Path | None = Field(
+        None,
+        description="start from these weights (a ddpcli checkpoint, a `checkpoint convert` "
+        "output, a .safetensors file or a state dict); not a resume: step, optimiser and "
+        "schedule start fresh",
+    )
+    reset_head: bool = Field(
+        False,
+        description="with --init-from: leave the final classifier as built, for another "
+        "number of classes (fine-tuning)",
+    )
+    epochs: int = Field(5, ge=1)
+    per_gpu_batch: int = Field(64, ge=1)
+    accumulate: int = Field(1, ge=1)
+    lr: float | None = Field(None, gt=0)  # None: default_lr(arch), set once the arch is known
+    lr_base_batch: int = Field(256, ge=1)
+    # None below: the optimiser's default (OPTIMIZER_DEFAULTS), filled in with it.
+    lr_scaling: LrScaling | None = None
+    optimizer: Optimizer = "sgd"
+    momentum: float | None = Field(None, ge=0, lt=1)  # SGD's; None with AdamW
+    betas: Betas | None = None
+    weight_decay: float | None = Field(None, ge=0)
+    warmup_epochs: float = Field(1.0, ge=0)
+    label_smoothing: float = Field(0.0, ge=0, lt=1)
+    norm_weight_decay: float = Field(
+        0.0, ge=0, description="weight decay of normalisation layers' weights and biases"
+    )
+    sync_bn: bool = Field(
+        False, description="BatchNorm statistics over the global batch (all ranks)"
+    )
+    ema: bool = Field(
+        False,
+        description="keep an exponential moving average of the weights, validated beside them",
+    )
+    ema_decay: float = Field(
+        0.99998,
+        gt=0,
+        lt=1,
+        description="EMA decay per update at global batch x --ema-steps / --epochs = 1",
+    )
+    ema_steps: int = Field(32, ge=1, description="optimizer steps between EMA updates")
+    seed: int = Field(0, ge=0)
+    precision: Precision = "auto"
+    compile: bool = False
+    max_steps: int | None = Field(None, ge=1)
+    # processes and devices
+    gpus: GpuList = None
+    cpu: bool = False
+    nproc: int | None = Field(None, ge=1, le=1024)
+    backend: Backend = "auto"
+    strategy: Literal["ddp", "dp", "balanced-dp"] = "ddp"
+    gpu0_batch: int | None = Field(None, ge=1)
+    bucket_cap_mb: float = Field(
+        25.0, gt=0, description="DDP gradient bucket size (MB): fewer, larger all-reduces"
+    )
+    find_unused_parameters: bool = Field(
+        False,
+        description="DDP: train a model whose loss leaves some parameters out (a branch not "
+        "taken); costs a walk of the autograd graph every step",
+    )
+    # DDP's settings for slow links (docs/performance.md, "DDP on slow links"): today's
+    # behaviour until the scaling measurements choose the defaults.
+    static_graph: bool = Field(
+        False,
+        description="DDP: the same parameters get gradients in the same order every step; "
+        "lets DDP skip per-step bookkeeping",
+    )
+    gradient_as_bucket_view: bool = Field(
+        True,
+        description="DDP: gradients live inside the all-reduce buckets (no copy into and out "
+        "of them, less memory)",
+    )
+    grad_compression: GradCompression = Field(
+        "none",
+        description="what DDP all-reduces: fp32 gradients (none), fp16 or bf16 casts (half "
+        "the bytes), or PowerSGD's rank-RANK factors with error feedback (docs/performance.md)",
+    )
+    powersgd_start_step: int = Field(
+        1000,
+        ge=0,
+        description="optimizer steps all-reduced uncompressed before PowerSGD starts",
+    )
+    # multi-node
+    nnodes: int = Field(1, ge=1)  # the most nodes; `--nnodes MIN:MAX` sets both
+    min_nnodes: int | None = Field(None, ge=1)  # None: exactly --nnodes
+    node_rank: int = Field(0, ge=0)
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = Field(None, ge=1, le=65535)
+    rdzv_backend: RdzvBackend | None = None  # None: c10d for MIN:MAX, else static
+    rdzv_endpoint: str | None = None  # None: --master-addr:--master-port
+    rdzv_id: str | None = None
+    init_method: str | None = None
+    ifname: str | None = None
+    timeout: float = Field(300.0, description="seconds for init and every collective")
+    max_restarts: int = Field(0, ge=0)
+    # outputs
+    out: Path | None = None
+    resume: str | None = None
+    overwrite: bool = False
+    save_every_steps: int | None = Field(None, ge=1)
+    keep_last: int = Field(3, ge=0)
+    log_dir: Path | None = None
+    log_every: int = Field(
+        10, ge=1, description="optimizer steps between progress lines and steps.jsonl rows"
+    )
+    profile_steps: ProfileSteps | None = Field(
+        None,
+        description="A:B: one torch.profiler trace per rank of the steps after step A up to "
+        "step B, in OUT/profile/ (Perfetto UI, Holistic Trace Analysis)",
+    )
+    tensorboard: bool = Field(
+        False,
+        description="also write TensorBoard event files to OUT/tensorboard (needs the "
+        "tensorboard package: pip install 'ddpcli[tensorboard]'); as --tracker tensorboard",
+    )
+    # experiment trackers (docs/train.md, "Tracking"): rank 0 sends them the run's rows
+    tracker: TrackerList = Field(default_factory=list)
+    tracking_uri: str | None = None  # MLflow's; None: MLFLOW_TRACKING_URI, else OUT/mlflow.db
+    experiment: str | None = None  # None: the recipe's name, else ARCH-DATASET
+    run_name: str | None = None  # None: the run folder's name
+    tracker_strict: bool = Field(
+        False,
+        description="a tracker that cannot be reached at the start stops the run (exit 2) "
+        "instead of a warning",
+    )
+    tracker_checkpoints: bool = Field(
+        False, description="also send checkpoints/best.pt to the trackers at the end"
+    )
+    # Resolved, never given: --tracker wandb without W&B credentials runs offline.
+    wandb_offline: bool = False
+    # The signal that saves a checkpoint at the next check (every --log-every steps) and stops
+    preempt_signal: Literal["TERM", "USR1"] = "TERM"
+    # debugging: each rank appends the sample indices of every training batch to PATH.rankN
+    trace_samples: Path | None = None
+    # debugging: (rank, seconds) from DDPCLI_SLOW_DATA, a rank slowed on purpose
+    slow_data: tuple[int, float] | None = None
+    # Resolved, never given: --lr scaled to the global batch of the world that really runs
+    # (`ddpcli.launcher.resolve` for --dry-run, each worker from its process group), so that
+    # config.json holds the rate the optimizer used.
+    peak_lr: float | None = None
+    # Resolved, never given: where the world came from, in words, for the run's header.
+    world_from: str | None = None
+    # Resolved, never given: why `--precision auto` became what `precision` holds (the header
+    # says it; ddpcli.training.precision decides it).
+    precision_reason: str | None = None
+    # Resolved, never given: the command's --accumulate when a resume's batch policy set
+    # another to keep the global batch (TrainConfig.for_world_change); the checkpoint keeps
+    # it, so that the next restart at the same world keeps the policy's value.
+    requested_accumulate: int | None = None
+
+    @field_validator("init_method")
+    @classmethod
+    def _init_method_scheme(cls, value: str | None) -> str | None:
+        if value is None or value == "env://":
+            return value
+        if re.fullmatch(r"tcp://[^:/\s]+:\d{1,5}", value):
+            port = int(value.rsplit(":", 1)[1])
+            if not 1 <= port <= 65535:
+                raise ValueError(f"port {port} is out of range 1-65535")
+            return value
+        if re.fullmatch(r"file:///\S+", value):
+            return value
+        raise ValueError("use env://, tcp://HOST:PORT or file:///ABSOLUTE/PATH")
+
+    @field_validator("dataset")
+    @classmethod
+    def _dataset_name(cls, value: str) -> str:
+        if value in get_args(DatasetName) or is_factory_spec(value):
+            return value
+        raise ValueError(
+            "use synthetic, stl10, imagefolder, shards, or your own data set as pkg.module:factory "
+            "(docs/custom.md)"
+        )
+
+    @field_validator("model_args")
+    @classmethod
+    def _model_args(cls, value: dict[str, Any]) -> dict[str, Any]:
+        if "num_classes" in value:
+            raise ValueError("num_classes comes from the data set's classes; leave it out")
+        return value
+
+    @field_validator("resume")
+    @classmethod
+    def _resume_value(cls, value: str | None) -> str | None:
+        return None if value in (None, "", "none") else value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nnodes_range(cls, data: Any) -> Any:
+        return split_nnodes(data)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _lr_for_arch(cls, data: Any) -> Any:
+        """--lr's default depends on the model and the optimiser, so it is filled in with
+        the arch."""
+        if isinstance(data, dict) and data.get("lr") is None and data.get("arch"):
+            return {**data, "lr": default_lr(data["arch"], data.get("optimizer") or "sgd")}
+        return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _optimizer_defaults(cls, data: Any) -> Any:
+        """--lr-scaling, --weight-decay, --momentum (SGD) and --betas (AdamW) default to the
+        optimiser's values; an unknown optimiser is left for the field's own check to name."""
+        if not isinstance(data, dict):
+            return data
+        defaults = OPTIMIZER_DEFAULTS.get(data.get("optimizer") or "sgd", {})
+        missing = {key: value for key, value in defaults.items() if data.get(key) is None}
+        return {**data, **missing}
+
+    @field_validator("timeout")
+    @classmethod
+    def _timeout_floor(cls, value: float) -> float:
+        if not value >= MIN_TIMEOUT_S:
+            raise ValueError(
+                f"at least {MIN_TIMEOUT_S:g} s: it bounds the start-up and every collective, "
+                "and in less no rank can even join"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> TrainConfig:
+        check_node_rank(self.node_rank, self.nnodes)
+        check_membership(self.min_nnodes, self.nnodes, self.rdzv_backend, self.rdzv_endpoint)
+        if self.cpu and self.gpus:
+            raise ValueError("invalid --cpu: --cpu and --gpus exclude each other; pick one")
+        if self.dataset in ("stl10", "imagefolder", "shards") and self.data_dir is None:
+            raise ValueError(f"invalid --data-dir: --dataset {self.dataset} needs --data-dir DIR")
+        check_shards_settings(self)
+        if is_url(self.data_dir) and self.dataset in ("stl10", "imagefolder"):
+            raise ValueError(
+                f"invalid --data-dir: --dataset {self.dataset} reads a folder; a URL is read as "
+                "shards (pack the data with `ddpcli data pack`, upload it, --dataset shards)"
+            )
+        if self.betas is not None and self.optimizer != "adamw":
+            raise ValueError("invalid --betas: they are AdamW's; add --optimizer adamw")
+        if self.momentum is not None and self.optimizer != "sgd":
+            raise ValueError(
+                "invalid --momentum: it is SGD's; AdamW's momentum is its --betas (drop "
+                "--momentum, or use --optimizer sgd)"
+            )
+        if self.reset_head and self.init_from is None:
+            raise ValueError("invalid --reset-head: it applies to the weights of --init-from PATH")
+        if self.custom_dataset and self.data_path == "device":
+            raise ValueError(
+                "invalid --data-path: device holds the built-in sets in device memory; your own "
+                "--dataset streams through the loader (--data-path loader or auto)"
+            )
+        if self.strategy == "balanced-dp" and self.gpu0_batch is None:
+            raise ValueError("invalid --gpu0-batch: --strategy balanced-dp needs --gpu0-batch N")
+        check_grad_compression(self.grad_compression, self.strategy, self.precision)
+        if self.compile and self.bucket_cap_mb < 1:
+            raise ValueError(
+                "invalid --bucket-cap-mb: with --compile, torch's DDP optimizer needs buckets of "
+                "at least 1 MB (its first bucket's size); raise it or drop --compile"
+            )
+        if self.static_graph and self.accumulate > 1:
+            raise ValueError(
+                "invalid --static-graph: torch's DDP fails an internal assertion when a step "
+                "accumulates under no_sync (--accumulate > 1); drop one of them"
+            )
+        if self.sync_bn and self.strategy != "ddp":
+            raise ValueError(
+                f"invalid --sync-bn: it synchronises DDP ranks; --strategy {self.strategy} is one "
+                "process (use --strategy ddp)"
+            )
+        if self.overwrite and self.resume == "auto":
+            raise ValueError(
+                "invalid --overwrite: it clears --out's earlier run, and --resume auto "
+                "continues it; pick one"
+            )
+        check_profile_window(self.profile_window, self.max_steps)
+        return self
+
+    # Values derived from the config, never stored twice.
+    @property
+    def custom_dataset(self) -> bool:
+        """--dataset names the user's own factory, not a built-in set."""
+        return is_factory_spec(self.dataset)
+
+    @property
+    def uses_gpus(self) -> bool:
+        return not self.cpu and bool(self.gpus)
+
+    @property
+    def nproc_per_node(self) -> int:
+        if self.strategy != "ddp":
+            return 1
+        return len(self.gpus) if self.gpus and not self.cpu else (self.nproc or 2)
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc_per_node * self.nnodes
+
+    @property
+    def global_batch(self) -> int:
+        return self.global_batch_at(self.world_size)
+
+    def global_batch_at(self, world_size: int, micro_batches_per_epoch: int | None = None) -> int:
+        """Under torchrun the world comes from the launcher, not from --nproc/--gpus; an
+        epoch of fewer micro-batches than --accumulate caps what one step holds."""
+        accumulate = min(self.accumulate, micro_batches_per_epoch or self.accumulate)
+        return self.per_gpu_batch * world_size * accumulate
+
+    def for_world_change(
+        self, saved: dict[str, Any], saved_world: int, world_size: int
+    ) -> TrainConfig:
+        """The batch policy of a resume at another world: with the per-process batch and the
+        command's --accumulate as they were, --accumulate is set so that the checkpoint's
+        global batch is kept when the new world divides it; otherwise this config's
+        accumulation stays, and the peak rate follows the new global batch by the
+        lr-scaling rule. A new --per-gpu-batch or --accumulate is taken as given. The
+        checkpoint's world may be this one: a restart after the policy raised --accumulate
+        keeps it."""
+        requested = int(saved.get("requested_accumulate") or saved.get("accumulate", 1))
+        if saved.get("per_gpu_batch") != self.per_gpu_batch or self.accumulate != requested:
+            return self
+        saved_global = self.per_gpu_batch * saved_world * int(saved.get("accumulate", 1))
+        if saved_global == self.per_gpu_batch * world_size * self.accumulate:
+            return self
+        accumulate = accumulate_keeping(saved_global, self.per_gpu_batch, world_size)
+        if accumulate is None:
+            return self
+        return self.model_copy(update={"accumulate": accumulate, "requested_accumulate": requested})
+
+    def peak_lr_at(self, world_size: int, micro_batches_per_epoch: int | None = None) -> float:
+        """--lr scaled by --lr-scaling to this run's global batch (see `scaled_lr`)."""
+        global_batch = self.global_batch_at(world_size, micro_batches_per_epoch)
+        return scaled_lr(
+            self.resolved_lr, global_batch, self.lr_base_batch, self.resolved_lr_scaling
+        )
+
+    def describe_lr_at(self, world_size: int, micro_batches_per_epoch: int | None = None) -> str:
+        global_batch = self.global_batch_at(world_size, micro_batches_per_epoch)
+        return describe_lr(
+            self.resolved_lr, global_batch, self.lr_base_batch, self.resolved_lr_scaling
+        )
+
+    @property
+    def profile_window(self) -> tuple[int, int] | None:
+        """--profile-steps A:B as (A, B): the steps after step A up to step B are profiled."""
+        if self.profile_steps is None:
+            return None
+        first, _, last = self.profile_steps.partition(":")
+        return int(first), int(last)
+
+    @property
+    def trackers(self) -> list[str]:
+        """--tracker's list, with TensorBoard when --tensorboard (its synonym) is on."""
+        if self.tensorboard and "tensorboard" not in self.tracker:
+            return [*self.tracker, "tensorboard"]
+        return list(self.tracker)
+
+    # Settings `ddpcli.launcher.resolve` fills in before any worker starts: None only until then.
+    @property
+    def resolved_out(self) -> Path:
+        return _resolved(self.out, "out")
+
+    @property
+    def resolved_arch(self) -> str:
+        return _resolved(self.arch, "arch")
+
+    @property
+    def resolved_image_size(self) -> int:
+        return _resolved(self.image_size, "image_size")
+
+    @property
+    def resolved_data_dir(self) -> Path:
+        """--data-dir, which every data set but the synthetic one requires (`_consistent`)."""
+        if not isinstance(self.data_dir, Path):
+            raise RuntimeError(f"TrainConfig.data_dir read, but --dataset {self.dataset} has none")
+        return self.data_dir
+
+    @property
+    def resolved_train_crop_size(self) -> int:
+        """The side training batches have: --train-crop-size, else --image-size."""
+        return self.train_crop_size or self.resolved_image_size
+
+    @property
+    def resolved_val_crop_size(self) -> int:
+        return self.val_crop_size or self.resolved_image_size
+
+    @property
+    def resolved_lr_scaling(self) -> LrScaling:
+        return _resolved(self.lr_scaling, "lr_scaling")
+
+    @property
+    def resolved_momentum(self) -> float:
+        return _resolved(self.momentum, "momentum")
+
+    @property
+    def resolved_weight_decay(self) -> float:
+        return _resolved(self.weight_decay, "weight_decay")
+
+    @property
+    def resolved_lr(self) -> float:
+        return _resolved(self.lr, "lr")
+
+    @property
+    def resolved_peak_lr(self) -> float:
+        return _resolved(self.peak_lr, "peak_lr")
+
+
+Value = TypeVar("Value")
+
+
+def check_grad_compression(grad_compression: str, strategy: str, precision: str) -> None:
+    """The pairings --grad-compression cannot do correctly, refused with the reason."""
+    if grad_compression != "none" and strategy != "ddp":
+        raise ValueError(
+            f"invalid --grad-compression: it compresses DDP's all-reduce; --strategy {strategy} "
+            "is one process and all-reduces nothing (use --strategy ddp)"
+        )
+    if powersgd_rank(grad_compression) and precision == "fp16":
+        raise ValueError(
+            "invalid --grad-compression: PowerSGD carries each step's compression error into "
+            "the next, and fp16's loss scale changes between steps (a skipped step leaves inf "
+            "there); use --precision bf16 or fp32, or --grad-compression fp16"
+        )
+
+
+def check_profile_window(window: tuple[int, int] | None, max_steps: int | None) -> None:
+    """A window that --max-steps ends before it opens is refused; one that ends after the
+    run's last step is said by the run (ddpcli.training.profiling), which knows that step."""
+    if window is not None and max_steps is not None and window[0] >= max_steps:
+        raise ValueError(
+            f"invalid --profile-steps: the run stops at step {max_steps} (--max-steps), so the "
+            f"steps after step {window[0]} never run; lower A or raise --max-steps"
+        )
+
+
+def check_shards_settings(cfg: TrainConfig) -> None:
+    """What --dataset shards cannot do: they are streamed (never held on the device), and
+    each sample goes to one rank (--ra-reps shows each on several)."""
+    if cfg.dataset != "shards":
+        if cfg.shuffle_buffer is not None:
+            raise ValueError(
+                "invalid --shuffle-buffer: it shuffles the streams of --dataset shards; other "
+                "data sets are permuted whole each epoch"
+            )
+        return
+    if cfg.data_path == "device":
+        raise ValueError(
+            "invalid --data-path: shards stream through the loader's workers (--data-path "
+            "loader or auto); --data-path device holds synthetic or stl10 in device memory"
+        )
+    if cfg.ra_reps > 1:
+        raise ValueError(
+            "invalid --ra-reps: each sample of --dataset shards is streamed to one rank; "
+            "repeated augmentation needs --dataset imagefolder"
+        )
+
+
+def _resolved(value: Value | None, name: str) -> Value:
+    if value is None:
+        raise RuntimeError(f"TrainConfig.{name} read before ddpcli.launcher.resolve filled it in")
+    return value
+
+
+def load_recipe(path: Path) -> dict[str, Any]:
+    """A recipe is a TOML file of flag names (`per_gpu_batch = 32` or `per-gpu-batch = 32`),
+    at the top level or under a `[train]` table. Beside a `[train]` table nothing else may
+    stand (it would be ignored), and each setting is given once, in either spelling."""
+    try:
+        with open(path, "rb") as handle:
+            data = tomllib.load(handle)
+    except FileNotFoundError:
+        raise usage_error(
+            f"invalid --recipe: {path} does not exist; see recipes/ for examples"
+        ) from None
+    except IsADirectoryError:
+        raise usage_error(f"invalid --recipe: {path} is a folder; give a TOML file") from None
+    except UnicodeDecodeError:
+        raise usage_error(
+            f"invalid --recipe: {path} is not a text file (a recipe is TOML, in UTF-8); "
+            "see recipes/ for examples"
+        ) from None
+    except (OSError, tomllib.TOMLDecodeError) as error:
+        raise usage_error(f"invalid --recipe: {path} is not readable TOML: {error}") from None
+    if "train" not in data:
+        return recipe_settings(data, path)
+    outside = [key for key in data if key != "train"]
+    if outside:
+        raise usage_error(
+            f"invalid --recipe: {path} sets {', '.join(outside)} outside its [train] table, "
+            "where it would be ignored; move it under [train]"
+        )
+    if not isinstance(data["train"], dict):
+        raise usage_error(f"invalid --recipe: {path}: [train] must be a table of settings")
+    return recipe_settings(data["train"], path)
+
+
+def recipe_settings(table: dict[str, Any], path: Path) -> dict[str, Any]:
+    """Field name -> value; one setting given in both spellings is refused, not resolved."""
+    settings: dict[str, Any] = {}
+    spelled: dict[str, str] = {}
+    for key, value in table.items():
+        name = key.replace("-", "_")
+        if name in settings:
+            raise usage_error(
+                f"invalid --recipe: {path} sets {name} twice ({spelled[name]} and {key}); keep one"
+            )
+        settings[name], spelled[name] = value, key
+    return settings
+
+
+def _is_true(value: Any) -> bool:
+    return value is True
+
+
+def _is_given(value: Any) -> bool:
+    return value is not None
+
+
+# Settings that exclude each other, (field, "set" test) on each side. When the command line
+# sets one side and the recipe the other, the flag wins: the recipe's side is dropped.
+EXCLUSIONS: tuple[tuple[str, Callable[[Any], bool], str, Callable[[Any], bool]], ...] = (
+    ("cpu", _is_true, "gpus", _is_given),
+    ("compile", _is_true, "strategy", lambda strategy: strategy in ("dp", "balanced-dp")),
+    ("gpu0_batch", _is_given, "strategy", lambda strategy: strategy != "balanced-dp"),
+)
+
+
+def without_overridden(from_recipe: dict[str, Any], from_flags: dict[str, Any]) -> dict[str, Any]:
+    """The recipe's settings less those a flag excludes: a flag always overrides the recipe."""
+    kept = dict(from_recipe)
+    for first, first_set, second, second_set in EXCLUSIONS:
+        for flag, flag_set, other, other_set in (
+            (first, first_set, second, second_set),
+            (second, second_set, first, first_set),
+        ):
+            if (
+                flag in from_flags
+                and flag_set(from_flags[flag])
+                and other in kept
+                and other not in from_flags
+                and other_set(kept[other])
+            ):
+                del kept[other]
+    return kept
+
+
+def setting_origins(
+    from_recipe: dict[str, Any], from_flags: dict[str, Any], recipe: Path | None
+) -> dict[str, str]:
+    """Field name -> where the value in effect came from, in words; {} without a recipe
+    (every setting then comes from the command line)."""
+    if recipe is None:
+        return {}
+    origins = {name: f"recipe {recipe}" for name in without_overridden(from_recipe, from_flags)}
+    origins.update(dict.fromkeys(from_flags, "the command line"))
+    return origins
+
+
+def train_setting_origins(flags: dict[str, Any], recipe: Path | None) -> dict[str, str]:
+    """Where each given setting of `ddpcli train` came from (for errors found later)."""
+    return setting_origins(load_recipe(recipe) if recipe else {}, given(flags), recipe)
+
+
+def parse_slow_data(text: str) -> tuple[int, float]:
+    rank, _, seconds = text.partition(":")
+    try:
+        parsed = int(rank), float(seconds)
+    except ValueError:
+        parsed = (-1, -1.0)
+    if parsed[0] < 0 or not 0 <= parsed[1] <= 60:
+        raise usage_error(
+            f"invalid {SLOW_DATA_VARIABLE}: give RANK:SECONDS, e.g. 1:0.05 (got {text!r})"
+        )
+    return parsed
+
+
+# ddpcli.data.shards.index.INDEX_NAME: what `ddpcli data pack` writes beside its shards.
+SHARD_INDEX_NAME = "index.json"
+
+
+def holds_shard_index(data_dir: Any) -> bool:
+    """--data-dir is a folder of packed shards, or a URL (only shards are read from one):
+    --dataset shards unless another is named."""
+    if data_dir is None or is_url(data_dir):
+        return data_dir is not None
+    return (Path(data_dir) / SHARD_INDEX_NAME).is_file()
+
+
+def build_train_config(
+    flags: dict[str, Any], recipe: Path | None, environ: Mapping[str, str] | None = None
+) -> TrainConfig:
+    """Defaults < recipe < flags; flags left at None mean "not given"."""
+    env = os.environ if environ is None else environ
+    from_pod, pod_origins = pod_defaults(env, train_nproc_settings)
+    from_recipe = load_recipe(recipe) if recipe else {}
+    from_flags = given(flags)
+    kept = without_overridden(from_recipe, from_flags)
+    values = {**from_pod, **kept, **from_flags}
+    recipe_in_effect = {name: value for name, value in kept.items() if name not in from_flags}
+    if "precision_reason" in values:
+        raise usage_error("precision_reason is not a setting; the run states why it chose one")
+    if "requested_accumulate" in values:
+        raise usage_error("requested_accumulate is not a setting; set accumulate")
+    if "peak_lr" in values:
+        where = f"recipe {recipe}" if recipe and "peak_lr" in from_recipe else "the flags"
+        raise usage_error(
+            f"{where}: peak_lr is not a setting; the run computes it from lr, lr_base_batch "
+            'and lr_scaling (set lr_scaling = "none" to use lr as given)'
+        )
+    if "dataset" not in values and holds_shard_index(values.get("data_dir")):
+        values["dataset"] = "shards"
+    if env.get(TRACE_SAMPLES_VARIABLE):
+        values.setdefault("trace_samples", Path(env[TRACE_SAMPLES_VARIABLE]))
+    if pod := pet_variables(env):
+        values["world_from"] = describe_pod(pod)
+    if env.get(SLOW_DATA_VARIABLE):
+        values.setdefault("slow_data", parse_slow_data(env[SLOW_DATA_VARIABLE]))
+    tracking_defaults(values, recipe, env)
+    try:
+        # A flag's type is Typer's to check; a recipe's, as strictly, here.
+        check_strict_types(TrainConfig, recipe_in_effect, text_forms=("nnodes",))
+        return validated(TrainConfig, values)
+    except DdpcliError as error:
+        overridden = {**from_recipe, **from_flags}
+        origins = {name: pod for name, pod in pod_origins.items() if name not in overridden}
+        origins.update(setting_origins(from_recipe, from_flags, recipe))
+        raise with_origins(error, origins) from None
+
+
+def tracking_defaults(values: dict[str, Any], recipe: Path | None, env: Mapping[str, str]) -> None:
+    """MLflow's own variable for its store, the recipe's name for the experiment, and W&B
+    offline where no credentials are set (it would stop to ask for them)."""
+    if env.get("MLFLOW_TRACKING_URI"):
+        values.setdefault("tracking_uri", env["MLFLOW_TRACKING_URI"])
+    if recipe is not None:
+        values.setdefault("experiment", recipe.stem)
+    if "wandb" in str(values.get("tracker", "")):
+        values["wandb_offline"] = not has_wandb_credentials(env)
+
+
+def has_wandb_credentials(env: Mapping[str, str]) -> bool:
+    """WANDB_API_KEY, or `wandb login`'s entry in ~/.netrc; WANDB_MODE=offline says no."""
+    if env.get("WANDB_MODE") in ("offline", "dryrun", "disabled"):
+        return False
+    if env.get("WANDB_API_KEY"):
+        return True
+    netrc = Path(env.get("NETRC") or Path.home() / ".netrc")
+    try:
+        return "api.wandb.ai" in netrc.read_text()
+    except OSError:
+        return False
+
+
+def train_nproc_settings(text: str) -> dict[str, Any]:
+    """PET_NPROC_PER_NODE for `ddpcli train`: N processes (one per GPU on a GPU pod, which
+    Kubeflow gives N GPUs), cpu: one per core on the CPU, auto/gpu: ddpcli's default (every
+    GPU, else 2 CPU processes; torchrun's auto would start one per core on a CPU pod)."""
+    spec = nproc_spec(text)
+    if isinstance(spec, int):
+        return {"nproc": spec}
+    if spec == "cpu":
+        return {"cpu": True, "nproc": os.cpu_count() or 1}
+    return {}

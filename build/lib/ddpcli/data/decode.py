@@ -1,0 +1,281 @@
+"""Image files to uint8 pixels, as torchvision's ImageFolder reads them (PIL, then RGB),
+and the loader path's faster twins for JPEGs, whose pixels are resized anyway.
+
+A JPEG's decode is most of an image's cost in a loader worker, so the loader's readers take
+one of two shortcuts, both through libjpeg-turbo:
+- Reduced scale. libjpeg can decode at 1/2, 1/4 or 1/8 of the size (PIL's `draft`): it skips
+  most of the inverse DCT and the colour conversion. An ImageNet-sized photo (about 500x375)
+  cropped at random and resized to 64 px rarely needs every pixel: the decoder is asked for
+  the smallest scale that still leaves the crop at least as large as the output, so the
+  resize that follows still only shrinks (antialiased), and the pixels stay within
+  interpolation tolerance of a full decode.
+- Full scale, straight into a tensor. Where no reduced scale keeps enough pixels (most
+  224 px crops), libjpeg-turbo decodes through `torchvision.io.decode_jpeg`, the same
+  library and settings as PIL's, so the same pixels, without PIL's 4-byte-per-pixel image
+  and its copy into a tensor; the pixels stay interleaved (channels last), which is the
+  layout torch's vectorised uint8 antialiased resize reads. torchvision deprecates its
+  decoders from 0.29: where they are gone, PIL decodes instead (same pixels, slower).
+The box a crop cuts is drawn from the stored size either way: a seed means the same crops.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import io
+import math
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, BinaryIO, NamedTuple
+
+import torch
+
+from ddpcli.errors import USAGE, DdpcliError, first_line
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    import numpy as np
+    from PIL.Image import Image
+
+    from ddpcli.data.augment import CropBox
+
+    CropBoxFor = Callable[[int, int], CropBox]  # (stored height, width) -> the box drawn
+
+
+class UnreadableImage(DdpcliError):
+    """An image file that cannot be decoded: exit 2 (bad input), naming the file.
+
+    Raised in a DataLoader worker, it reaches the training process re-created from the
+    worker's formatted traceback, whose last line is `ddpcli.data.decode.UnreadableImage:
+    <message>`; only that message is kept, so the user still reads one line."""
+
+    def __init__(self, message: str) -> None:
+        last = (message.strip().splitlines() or [message])[-1]
+        super().__init__(last.split(f"{UnreadableImage.__name__}: ", 1)[-1], USAGE)
+
+
+class EncodedImage(NamedTuple):
+    """An image file's bytes held in memory (a shard's member), and the name an error reports
+    it by (`shard:key`)."""
+
+    name: str
+    data: bytes
+
+
+# An image file: its path, its bytes, or a binary file object whose str() names it.
+ImageSource = Path | EncodedImage | BinaryIO
+
+
+def encoded(source: ImageSource) -> EncodedImage:
+    """SOURCE's bytes, read whole (PIL parses the header from them, libjpeg the rest), and
+    the name an error reports it by."""
+    if isinstance(source, EncodedImage):
+        return source
+    if isinstance(source, io.BytesIO):
+        return EncodedImage(str(source), source.getvalue())
+    if hasattr(source, "read"):
+        return EncodedImage(str(source), source.read())
+    return EncodedImage(str(source), Path(source).read_bytes())
+
+
+@contextlib.contextmanager
+def opened(source: ImageSource) -> Iterator[tuple[Image, bytes]]:
+    """SOURCE opened by PIL (its header read), and its bytes; any failure to read or decode it
+    (also while the caller decodes) becomes UnreadableImage, naming the file."""
+    from PIL import Image
+
+    name = source.name if isinstance(source, EncodedImage) else str(source)
+    try:
+        file = encoded(source)
+        with Image.open(io.BytesIO(file.data)) as image:
+            yield image, file.data
+    except (OSError, SyntaxError, ValueError, EOFError, Image.DecompressionBombError) as error:
+        reason = (
+            "not an image file PIL can read"
+            if isinstance(error, Image.UnidentifiedImageError)
+            else first_line(error)
+        )
+        raise UnreadableImage(
+            f"cannot decode image {name}: {reason}; fix or delete the file, or pass "
+            "--skip-bad-images to leave such files out"
+        ) from None
+
+
+def as_rgb(image: Image) -> Image:
+    """Every mode becomes RGB as torchvision's ImageFolder makes it (PIL's `convert("RGB")`):
+    grey repeated, CMYK converted without a colour profile, alpha (RGBA, LA, a palette's
+    transparency) dropped, not composited. A palette with transparency goes through RGBA,
+    which gives the same pixels without PIL's warning. An RGB image is used as it is
+    (convert would copy it). Grey deeper than 8 bits is scaled from its own range, where
+    PIL would clip it at 255 (`as_8_bit_grey`)."""
+    if image.mode == "RGB":
+        image.load()
+        return image
+    if image.mode == "P" and "transparency" in image.info:
+        return image.convert("RGBA").convert("RGB")
+    if image.mode in WIDE_GREY_MODES:
+        return as_8_bit_grey(image).convert("RGB")
+    return image.convert("RGB")
+
+
+# 16-bit grey (PNG, TIFF: I;16 and its byte orders), and PIL's 32-bit integer and float grey.
+WIDE_GREY_MODES = ("I;16", "I;16B", "I;16L", "I;16N", "I", "F")
+SIXTEEN_BIT_MAX = 65535
+
+
+def as_8_bit_grey(image: Image) -> Image:
+    """Mode L from a grey image deeper than 8 bits. PIL's own conversion clips at 255, so a
+    16-bit image turned white: 16-bit pixels are scaled from 0..65535 instead. I and F hold
+    no depth of their own: values within 0..255 are taken as PIL takes them, integers up to
+    65535 as 16 bits (older Pillow opens 16-bit PNGs as I); anything else is refused
+    (ValueError: `opened` names the file), never clipped."""
+    import numpy as np
+    from PIL import Image as PILImage
+
+    values = np.asarray(image)  # PIL's getextrema does not take I;16B
+    low, high = values.min().item(), values.max().item()
+    sixteen_bits = image.mode.startswith("I;16") or (image.mode == "I" and high > 255)
+    top = SIXTEEN_BIT_MAX if sixteen_bits else 255
+    if low < 0 or high > top:
+        raise ValueError(
+            f"its {image.mode} pixels run from {low:g} to {high:g}, outside 0..{top}; save it "
+            "with 8 or 16 bits per channel"
+        )
+    if not sixteen_bits:
+        return image.convert("L")
+    wide = values.astype(np.uint32)
+    scaled = (wide * 255 + SIXTEEN_BIT_MAX // 2) // SIXTEEN_BIT_MAX  # rounded to nearest
+    return PILImage.fromarray(scaled.astype(np.uint8))  # 2-D uint8: mode L
+
+
+def to_tensor(image: Image) -> torch.Tensor:
+    from torchvision.transforms.v2.functional import pil_to_tensor
+
+    return pil_to_tensor(image)
+
+
+def read_rgb(source: ImageSource) -> torch.Tensor:
+    """uint8 (3, H, W), every pixel, as ImageFolder reads them (PIL decodes: this feeds the
+    caches and --skip-bad-images' threads, where PIL lets go of the GIL)."""
+    with opened(source) as (image, _):
+        return to_tensor(as_rgb(image))
+
+
+@functools.cache
+def libjpeg_decoder() -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """torchvision's libjpeg-turbo decoder to RGB, or None where it is gone (deprecated from
+    torchvision 0.29) or its image extension did not load: tried once on a tiny JPEG."""
+    from PIL import Image
+
+    try:
+        from torchvision.io import ImageReadMode, decode_jpeg
+
+        decoder = functools.partial(decode_jpeg, mode=ImageReadMode.RGB)
+        sample = io.BytesIO()
+        Image.new("RGB", (16, 8), (200, 100, 50)).save(sample, "JPEG")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            decoded = decoder(torch.frombuffer(bytearray(sample.getvalue()), dtype=torch.uint8))
+    except (ImportError, RuntimeError, TypeError):
+        return None
+    return decoder if decoded.shape == (3, 8, 16) else None
+
+
+def straight_to_tensor(image: Image) -> bool:
+    """Whether IMAGE, opened and not yet decoded, may be decoded by libjpeg-turbo straight into
+    a tensor: a plain JPEG that PIL reads as RGB (grey, CMYK and MPO go through PIL, whose
+    conversions ImageFolder's pixels are), where torchvision still decodes."""
+    return image.format == "JPEG" and image.mode == "RGB" and libjpeg_decoder() is not None
+
+
+def jpeg_pixels(data: bytes) -> torch.Tensor:
+    """uint8 (3, H, W), every pixel of the JPEG DATA: libjpeg-turbo at PIL's settings (the
+    same pixels as PIL's), strided channels last as libjpeg writes them. A corrupt or
+    truncated file raises OSError, with libjpeg's reason."""
+    decoder = libjpeg_decoder()
+    assert decoder is not None  # straight_to_tensor said so
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # see the module's docstring
+        try:
+            return decoder(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        except RuntimeError as error:  # "decode_jpeg, <source>.cpp:171, <libjpeg's reason>"
+            raise OSError(str(error).split(".cpp:", 1)[-1].split(", ", 1)[-1]) from None
+
+
+def resized_uint8(pixels: torch.Tensor, size: int) -> torch.Tensor:
+    """uint8 (3, H, W) to (3, SIZE, SIZE), bilinear and antialiased: torchvision's uint8 resize
+    (PIL's resampler), given the interleaved layout its vectorised kernel reads."""
+    batch = pixels[None].contiguous(memory_format=torch.channels_last)
+    return torch.nn.functional.interpolate(
+        batch, size=(size, size), mode="bilinear", antialias=True, align_corners=False
+    )[0]
+
+
+def reduce_while_decoding(image: Image, width: int, height: int) -> int:
+    """Let a JPEG decode at the smallest scale that keeps it at least WIDTH x HEIGHT; the
+    factor it took (1, 2, 4 or 8; 1 for other formats)."""
+    full_width = image.size[0]
+    image.draft(None, (max(1, width), max(1, height)))  # a no-op for formats other than JPEG
+    return max(1, round(full_width / image.size[0]))
+
+
+def read_rgb_at_least(source: ImageSource, side: int) -> torch.Tensor:
+    """uint8 (3, H, W) with the shorter side at least SIDE where the file allows (a JPEG may
+    decode smaller than stored): for views that resize the shorter side to SIDE. A JPEG at
+    full scale comes from libjpeg channels last, which torchvision's resize reads fastest."""
+    with opened(source) as (image, data):
+        width, height = image.size
+        scale = side / max(1, min(width, height))
+        reduce = reduce_while_decoding(image, math.ceil(width * scale), math.ceil(height * scale))
+        if reduce == 1 and straight_to_tensor(image):
+            return jpeg_pixels(data)
+        return to_tensor(as_rgb(image))
+
+
+def read_resized_crop(source: ImageSource, box_for: CropBoxFor, size: int) -> torch.Tensor:
+    """uint8 (3, SIZE, SIZE), contiguous: the box that BOX_FOR draws from the image's stored
+    (height, width), cut and resized (bilinear, antialiased: PIL's uint8 resampler, the one
+    torchvision's antialiased resize reproduces) and mirrored if drawn so. The JPEG decodes
+    at the smallest scale that leaves the box at least SIZE on each side; at full scale,
+    libjpeg-turbo decodes it straight into a tensor (the module's docstring)."""
+    with opened(source) as (image, data):
+        width, height = image.size
+        box = box_for(height, width)
+        reduce = reduce_while_decoding(
+            image, math.ceil(width * size / box.width), math.ceil(height * size / box.height)
+        )
+        if reduce == 1 and straight_to_tensor(image):
+            whole = jpeg_pixels(data)
+            crop = whole[:, box.top : box.top + box.height, box.left : box.left + box.width]
+            interleaved = resized_uint8(crop, size).permute(1, 2, 0).numpy()
+        else:
+            interleaved = reduced_crop(image, box, reduce, size)
+    return planes(interleaved, box.flip)
+
+
+def reduced_crop(image: Image, box: CropBox, reduce: int, size: int) -> np.ndarray:
+    """uint8 (SIZE, SIZE, 3): the BOX (in stored pixels) of IMAGE decoded by PIL at 1/REDUCE
+    scale, resized with PIL's uint8 resampler, which takes the box's fractional edges as
+    they are."""
+    import numpy as np
+    from PIL import Image as PILImage
+
+    region = (  # the box in the decoded pixels: a reduced pixel covers REDUCE stored ones
+        box.left / reduce,
+        box.top / reduce,
+        (box.left + box.width) / reduce,
+        (box.top + box.height) / reduce,
+    )
+    return np.asarray(as_rgb(image).resize((size, size), PILImage.Resampling.BILINEAR, box=region))
+
+
+def planes(interleaved: np.ndarray, flip: bool) -> torch.Tensor:
+    """uint8 (3, H, W), contiguous, from (H, W, 3), mirrored if FLIP, in one copy. A loader
+    batch stacks contiguous images about 20 times faster than interleaved ones: at 224 px,
+    stacking interleaved ones cost more than the resize, this copy a third of that."""
+    import numpy as np
+
+    mirrored = interleaved[:, ::-1] if flip else interleaved
+    return torch.from_numpy(np.ascontiguousarray(mirrored.transpose(2, 0, 1)))

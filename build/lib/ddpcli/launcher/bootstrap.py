@@ -1,0 +1,171 @@
+"""One worker of `ddpcli launch`: run the user's script (or module) as `python SCRIPT` or
+`python -m MODULE` would, in a process the launcher can report on.
+
+Started as `python -m ddpcli.launcher.bootstrap [-m] TARGET ARGS...` by the elastic agent, with
+torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, ...). The script needs no change:
+no `@record`, no signal handling. An uncaught exception is printed as Python would print
+it and recorded in the agent's error file, so the launcher names it, except where it only
+says that another rank is gone (one line then: with 8 ranks, 7 such tracebacks buried the
+one that mattered); SIGTERM (the agent stopping the job) first writes every thread's stack
+to a file, from which the launcher says where the rank was; Ctrl-C ends quietly.
+
+Torch is imported only to record a failure: a script that never imports it stays light.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import os
+import runpy
+import signal
+import sys
+import traceback
+from pathlib import Path
+from typing import TextIO
+
+from ddpcli.errors import (
+    INTERRUPTED,
+    backend_gist,
+    debug_requested,
+    gave_up_waiting,
+    lost_a_peer,
+)
+from ddpcli.process import die_with_parent, record_for_agent
+from ddpcli.stacks import (
+    STACKS_FOLDER_VARIABLE,
+    finished_file_name,
+    is_users_code,
+    place_in_words,
+    stack_file_name,
+)
+
+USAGE_TEXT = "usage: python -m ddpcli.launcher.bootstrap [-m] SCRIPT.py|FOLDER|MODULE [ARGS...]"
+
+
+def run_target(target: str, as_module: bool, args: list[str]) -> None:
+    """What `python SCRIPT ARGS` (or `python -m MODULE ARGS`) does, in this process."""
+    if as_module:
+        sys.argv = [target, *args]  # runpy puts the module's file name in argv[0]
+        runpy.run_module(target, run_name="__main__", alter_sys=True)
+        return
+    sys.argv = [target, *args]
+    # Python puts the script's folder first on the path (here it put the working folder),
+    # and a folder with __main__.py itself.
+    path = os.path.abspath(target)
+    sys.path[0] = path if os.path.isdir(path) else os.path.dirname(path)
+    runpy.run_path(target, run_name="__main__")
+
+
+def print_user_traceback(error: BaseException) -> None:
+    """The traceback as `python SCRIPT` would print it: from the script's own frames, without
+    this module's and runpy's above them."""
+    ours = {__file__, runpy.__file__, "<frozen runpy>"}
+    frames = error.__traceback__
+    while frames is not None and frames.tb_frame.f_code.co_filename in ours:
+        frames = frames.tb_next
+    traceback.print_exception(type(error), error, frames or error.__traceback__)
+
+
+def print_failure(error: BaseException) -> None:
+    """A rank that failed only because of another one (it lost its connection to it, or gave
+    up waiting for it at a collective) says so in one line, with where it was: the launcher
+    names the rank that started it, whose traceback seven others buried on 8 GPUs.
+    DDPCLI_DEBUG=1 prints the traceback all the same."""
+    consequence = consequence_in_words(error)
+    if debug_requested() or not consequence:
+        print_user_traceback(error)
+        return
+    print(f"rank {os.environ.get('RANK', '?')} {consequence}", file=sys.stderr)
+
+
+def consequence_in_words(error: BaseException) -> str:
+    """What this rank's error says of another rank, or "" if it may be its own."""
+    text = str(error)
+    said = f"{users_place(error)} ({type(error).__name__}: {backend_gist(error)})"
+    if lost_a_peer(text):
+        return f"lost its connection to another rank{said}; the launcher names the first to fail"
+    if gave_up_waiting(error):
+        return f"gave up waiting for another rank{said}; the launcher names the one it waited for"
+    return ""
+
+
+def users_place(error: BaseException) -> str:
+    """ " at train.py:42 in step(): dist.all_reduce(loss)", the script's innermost line."""
+    frames = traceback.extract_tb(error.__traceback__)
+    theirs = [frame for frame in frames if is_users_code({"file": frame.filename})]
+    if not theirs:
+        return ""
+    frame = theirs[-1]
+    where = {"file": frame.filename, "line": frame.lineno, "function": frame.name}
+    return f" at {place_in_words({**where, 'code': frame.line})}"
+
+
+def end_now(exit_code: int) -> None:
+    """Out at once: atexit hooks of a failed script could wait on peers that are gone."""
+    faulthandler.unregister(signal.SIGTERM)  # the agent's SIGTERM now is no news
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(exit_code)
+
+
+def stack_output(reports: str) -> TextIO:
+    """Where this rank writes its stack when the agent stops it: a file in the launcher's
+    folder REPORTS, which its report turns into a line (ddpcli.stacks), else stderr."""
+    if not reports:
+        return sys.stderr
+    try:
+        return open(Path(reports) / stack_file_name(int(os.environ["RANK"])), "w")  # noqa: SIM115
+    except (OSError, KeyError, ValueError):
+        return sys.stderr
+
+
+def script_finished(reports: str) -> None:
+    """The script ended well: said to the launcher in its folder REPORTS, then the process
+    group closed. A rank that ends while the others still call collectives with it is the
+    cause of their failure, even when the agent stops it in its own exit."""
+    if reports:
+        with contextlib.suppress(OSError, KeyError, ValueError):
+            (Path(reports) / finished_file_name(int(os.environ["RANK"]))).touch()
+    close_process_group()
+
+
+def main(argv: list[str]) -> None:
+    die_with_parent()
+    reports = os.environ.pop(STACKS_FOLDER_VARIABLE, "")  # not the script's business
+    # Where a stopped rank was stuck. faulthandler keeps the file open for the process's life.
+    faulthandler.register(signal.SIGTERM, file=stack_output(reports), all_threads=True, chain=True)
+    as_module = len(argv) > 1 and argv[1] == "-m"
+    rest = argv[2:] if as_module else argv[1:]
+    if not rest:
+        print(USAGE_TEXT, file=sys.stderr)
+        end_now(2)
+    try:
+        run_target(rest[0], as_module, rest[1:])
+    except SystemExit as leaving:
+        if leaving.code in (0, None):
+            script_finished(reports)
+        raise  # the script's own exit status, as Python gives it
+    except KeyboardInterrupt:  # Ctrl-C: the launcher says it once for the whole job
+        end_now(INTERRUPTED)
+    except BaseException as error:
+        # Failing already: the agent's SIGTERM to the others may reach this rank too.
+        faulthandler.unregister(signal.SIGTERM)
+        print_failure(error)
+        record_for_agent(error)
+        end_now(1)
+    script_finished(reports)
+
+
+def close_process_group() -> None:
+    """The process group a finished script left open, closed while the interpreter still
+    runs, as torch asks scripts to do. Left to the interpreter's exit, a rank 0 that hosts
+    the store (each round's own: ddpcli.launcher.scriptlaunch.restart_safe) now and then aborts
+    there ("terminate called without an active exception"), and a finished job fails."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv)

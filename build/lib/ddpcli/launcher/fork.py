@@ -1,0 +1,211 @@
+"""Workers forked from a fork server instead of started as new interpreters.
+
+A new interpreter imports torch again in every worker: seconds of CPU per rank, paid
+again on every restart, and on a machine with few cores the ranks' imports queue behind
+each other. A forked worker finds torch and ddpcli already imported.
+
+They are forked from a fork server (Python's multiprocessing `forkserver`), not from the
+launcher: the launcher has threads (the elastic agent's store server answers the first
+ranks' connections while the next ones are being forked), and a child forked while another
+thread holds a lock of the C library (the resolver's, taken to name a connection's peer)
+inherits it held and hangs on it forever; seen as 1 job in 10 on a busy 2-core machine. The
+server is a new interpreter with no thread: it imports torch and the worker module once,
+while the launcher forms the job, and forks each worker on request.
+
+Forking is for CPU jobs only: GPU jobs start fresh interpreters, since CUDA cannot be used
+in a forked child of a process that may have touched it.
+
+torch.distributed.elastic runs a function (instead of a program) through its
+MultiprocessContext; this module adapts that path to behave as the program path does:
+each worker in a session of its own, with Python's default signal handlers, dying with the
+launcher, every failed rank reported, not only the first, and no hang at the end when a
+worker is killed as it finishes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import multiprocessing
+import os
+import signal
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+from ddpcli.process import PARENT_PID_VARIABLE, multiprocessing_sockets_fit
+
+# The signals elastic's agent catches (to pass on) and a forked child would inherit.
+_INHERITED_HANDLERS = (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1)
+
+
+# A child of the fork server first runs the launcher's main script again (multiprocessing
+# does, as __mp_main__): the `ddpcli` script imports this. In the server it is done once.
+LAUNCHER_MAIN = "ddpcli.cli"
+
+
+def forks_workers(uses_gpus: bool) -> bool:
+    """Whether a job's workers are forked: CPU jobs on Linux (macOS's system frameworks
+    are not safe to use in a forked child; Windows cannot fork), where the fork server's
+    socket fits in the temporary folder (else the workers start as programs)."""
+    return not uses_gpus and sys.platform.startswith("linux") and multiprocessing_sockets_fit()
+
+
+@contextlib.contextmanager
+def fork_server(module: str) -> Iterator[str]:
+    """Start the fork server, importing MODULE (and torch with it) in the background while
+    the launcher goes on; yields its pid, the workers' parent. An inner use finds it
+    running and leaves it to the outer one, which stops it: a server outliving its launch
+    would give the next launch's workers this one's environment."""
+    from multiprocessing import forkserver
+
+    started_earlier = fork_server_pid() is not None  # in this command, by an outer use
+    forkserver.set_forkserver_preload([module, LAUNCHER_MAIN])
+    forkserver.ensure_running()  # also starts a new one if the earlier one died
+    pid = fork_server_pid()
+    assert pid is not None
+    if started_earlier:
+        yield str(pid)
+        return
+    try:
+        yield str(pid)
+    finally:
+        # Its workers have ended. Killed, not asked to exit: an interpreter that imported
+        # torch takes most of a second to finish, and the launcher would wait for it.
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(OSError):  # its socket may be gone with the temp folder
+            the_fork_server()._stop()
+
+
+def start_forked_worker(parent_pid: str, env: dict[str, str], module: str, *argv: str) -> None:
+    """A worker's entry point: `python -m MODULE *ARGV` with the job's ENV, in a child of
+    the fork server PARENT_PID (which may have started before the job's ENV was known)."""
+    leave_fork_server(parent_pid)
+    os.environ.update(env)
+    # multiprocessing handed this child its parent's start method: the worker's own
+    # children (DataLoader workers) are forked from it, as under torchrun.
+    multiprocessing.set_start_method("fork", force=True)
+    # Like the agent's program path: the terminal's Ctrl-C reaches the agent alone, which
+    # passes it on; the worker does not get it twice.
+    with contextlib.suppress(OSError):
+        os.setsid()
+    for signum in _INHERITED_HANDLERS:
+        signal.signal(signum, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    name_process(f"ddpcli rank {os.environ.get('RANK', '?')}")
+    importlib.import_module(module).main([module, *argv])
+
+
+def the_fork_server() -> Any:
+    """multiprocessing's one ForkServer. Its pid, its "alive" pipe and its stop are private
+    attributes, as is a process's temporary folder (tests/test_fork.py fails if a Python
+    version renames them)."""
+    from multiprocessing import forkserver
+
+    return forkserver._forkserver
+
+
+def fork_server_pid() -> int | None:
+    pid: int | None = the_fork_server()._forkserver_pid
+    return pid
+
+
+def leave_fork_server(parent_pid: str) -> None:
+    """The server lives as long as any process holds its "alive" pipe, and its children
+    are handed one: a worker that kept it would keep its parent alive after the launcher
+    died, so the worker's death signal (ddpcli.process.die_with_parent) would never come.
+    The parent to die with is the server, which ends when the launcher does."""
+    server = the_fork_server()
+    if server._forkserver_alive_fd is not None:
+        with contextlib.suppress(OSError):
+            os.close(server._forkserver_alive_fd)
+        server._forkserver_alive_fd = None
+    os.environ[PARENT_PID_VARIABLE] = parent_pid
+    # It was also handed the launcher's multiprocessing folder, which the launcher removes
+    # as it exits: a DataLoader worker still ending then could not unlink its socket there
+    # and would print a traceback after the launcher's last line. Its own, made on demand.
+    process: Any = multiprocessing.current_process()
+    process._config.pop("tempdir", None)
+
+
+def name_process(name: str) -> None:
+    """What `ps -e`, top and /proc/PID/comm show for this process (15 bytes at most):
+    a forked worker keeps its launcher's command line."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_name = 15
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).prctl(pr_set_name, name.encode()[:15], 0, 0, 0)
+
+
+class WorkersMayExit:
+    """The agent's word to its function workers that it has read their return values, so
+    they may exit (elastic's `_worker_finished_event`). A multiprocessing Event's set()
+    waits for every sleeping waiter to wake, so a worker killed as it waited hung the
+    launcher for good (torch's comment on it says as much). Here each worker takes a token
+    of a semaphore: set() never waits, and a dead worker's token is left unused."""
+
+    def __init__(self, context: Any, workers: int) -> None:
+        self._tokens = context.Semaphore(0)
+        self._workers = workers
+
+    def set(self) -> None:
+        for _ in range(self._workers):
+            self._tokens.release()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return bool(self._tokens.acquire(True, timeout))
+
+
+@contextlib.contextmanager
+def function_path_fixed() -> Iterator[None]:
+    """Elastic's function path, made to end as its program path does, for the launch:
+    - it reports only the first rank that failed; the program path reports every rank that
+      ended with an error, which is what tells a dead rank from the ranks that only lost it;
+    - its end could hang for good on a worker killed just as it finished (WorkersMayExit);
+    - a worker that returned when the agent stopped it waited for SIGKILL (`_close`)."""
+    from torch.distributed.elastic import multiprocessing as elastic_mp
+    from torch.distributed.elastic.multiprocessing.api import ProcessFailure, RunProcsResult
+
+    # On the context elastic would use now: another patch of it
+    # (ddpcli.launcher.peer_failure) holds.
+    class FixedContext(elastic_mp.MultiprocessContext):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            context = multiprocessing.get_context(self.start_method)
+            # Elastic calls set() and wait() on it, which WorkersMayExit has; not an Event.
+            self._worker_finished_event = WorkersMayExit(context, self.nprocs)  # type: ignore[assignment]
+
+        def _close(self, death_sig: signal.Signals, timeout: int = 30) -> None:
+            # A worker that has returned waits for the word that the agent read its result.
+            # An agent that stops its workers instead (a host joining an elastic job, a
+            # signal to the launcher) never gave it: a worker that had stopped cleanly on
+            # the SIGTERM sat out the agent's whole grace (30 s) until SIGKILL.
+            self._worker_finished_event.set()
+            super()._close(death_sig, timeout)
+
+        def _poll(self) -> RunProcsResult | None:
+            result = super()._poll()
+            if result is None or not result.failures or self._pc is None:
+                return result
+            # The first failure closed the context: every process has ended by now.
+            for local_rank, process in enumerate(self._pc.processes):
+                if local_rank not in result.failures and process.exitcode not in (0, None):
+                    result.failures[local_rank] = ProcessFailure(
+                        local_rank=local_rank,
+                        pid=process.pid,
+                        exitcode=process.exitcode,
+                        error_file=self.error_files[local_rank],
+                    )
+            return result
+
+    # setattr: mypy refuses an assignment to a name it knows as a class.
+    original = elastic_mp.MultiprocessContext
+    setattr(elastic_mp, "MultiprocessContext", FixedContext)  # noqa: B010
+    try:
+        yield
+    finally:
+        setattr(elastic_mp, "MultiprocessContext", original)  # noqa: B010

@@ -1,0 +1,137 @@
+"""What the agent tells its workers: that another worker failed, before it stops them, and
+that they start a later round of the job.
+
+- It kills what the failed worker left behind: the rest of its process group (each worker
+  leads one). Its DataLoader workers, forked after its process group formed, hold copies of
+  its sockets: left alive, they kept the other ranks from seeing it go until their own
+  check of their parent (every 5 s), and outlived the job by as much.
+- It leaves a notice for workers that take SIGTERM as a preemption (`ddpcli train`:
+  checkpoint at the next agreed step, then stop; ddpcli.training.stopping). The agent stops the
+  surviving workers with that same signal, and a survivor stuck in a collective with the
+  dead rank (NCCL need not notice a dead peer on the same node; a rank busy loading data
+  has not yet reached one) waited for the agent's SIGKILL, 30 s later, after printing its
+  stack. The notice is a file beside their config; a worker that finds it when the signal
+  comes leaves at once.
+- When it has stopped its workers, it ends what they left in their sessions: a child that
+  ignores SIGTERM and SIGINT outlived its worker, and the job (torchrun's too).
+- It marks every start after its first as a later round (LATER_ROUND_FILE): a restart after
+  a failure counts in TORCHELASTIC_RESTART_COUNT, but a restart because hosts joined or left
+  an elastic job counts nowhere, and its workers must continue the run, not start it over.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from ddpcli.records import LATER_ROUND_FILE
+
+
+class FailedWorkerHandling:
+    """Mixed into elastic's two process contexts (workers forked or run as programs): the
+    poll that finds a failed worker stops the others, so this comes just before it."""
+
+    notice: Path | None = None
+    starts = 0  # on the class made for one launch: how often it has started its workers
+
+    def _start(self) -> None:
+        if self.notice is not None:
+            self.notice.unlink(missing_ok=True)  # a restart: its workers start afresh
+            if type(self).starts > 0:
+                self.notice.with_name(LATER_ROUND_FILE).touch()
+        type(self).starts += 1
+        super()._start()  # type: ignore[misc]
+
+    def _poll(self) -> Any:
+        failed = self._failed_worker_pids()
+        if failed and self.notice is not None:
+            with contextlib.suppress(OSError):
+                self.notice.touch()
+        for pid in failed:
+            with contextlib.suppress(OSError):  # its group may be empty already
+                os.killpg(pid, signal.SIGKILL)
+        return super()._poll()  # type: ignore[misc]
+
+    def _close(self, death_sig: signal.Signals, timeout: int = 30) -> None:
+        workers = self._worker_pids()
+        super()._close(death_sig, timeout)  # type: ignore[misc]
+        end_what_workers_left(workers)
+
+    def _worker_pids(self) -> list[int]:
+        processes = getattr(self, "_pc", None)
+        if processes is not None:
+            return [p.pid for p in processes.processes if p.pid is not None]
+        return [h.proc.pid for h in getattr(self, "subprocess_handlers", {}).values()]
+
+    def _failed_worker_pids(self) -> list[int]:
+        processes = getattr(self, "_pc", None)
+        if processes is not None:  # forked: multiprocessing's processes
+            return [p.pid for p in processes.processes if p.exitcode not in (0, None)]
+        handlers = getattr(self, "subprocess_handlers", {}).values()
+        return [h.proc.pid for h in handlers if h.proc.poll() not in (0, None)]
+
+
+# A worker's children had the worker's own grace to end on its signal (the agent signals
+# each worker's process group): a little more, then they are killed.
+LEFTOVER_GRACE_S = 2.0
+
+
+def end_what_workers_left(workers: list[int], grace_s: float = LEFTOVER_GRACE_S) -> None:
+    """Once the agent has stopped its workers: every process still in a worker's session
+    (each worker leads one), such as a child that ignores SIGTERM and SIGINT, gets SIGTERM
+    (forked workers' children got nothing yet), GRACE_S to end, then SIGKILL."""
+    left = session_members(set(workers))
+    for pid in left:
+        signal_quietly(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while left and time.monotonic() < deadline:
+        time.sleep(0.05)
+        left = session_members(set(workers))
+    for pid in left:
+        signal_quietly(pid, signal.SIGKILL)
+
+
+def signal_quietly(pid: int, signum: signal.Signals) -> None:
+    with contextlib.suppress(OSError):  # gone already
+        os.kill(pid, signum)
+
+
+def session_members(sessions: set[int]) -> list[int]:
+    """Live processes (not zombies) in one of SESSIONS or of their process groups. Linux
+    reads them from /proc; elsewhere none are found (each group was signalled already)."""
+    members = []
+    for entry in Path("/proc").glob("[0-9]*") if sessions else []:
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        # pid (comm) state ppid pgrp session ...: comm may hold spaces and parentheses.
+        state, _ppid, group, session = stat.rpartition(")")[2].split()[:4]
+        pid = int(entry.name)
+        if state != "Z" and pid != os.getpid() and sessions & {int(group), int(session)}:
+            members.append(pid)
+    return members
+
+
+@contextlib.contextmanager
+def failed_workers_handled(notice: Path | None) -> Iterator[None]:
+    """While it lasts, the agent kills a failed worker's process group and touches NOTICE
+    (unless None) before it stops the other workers. Patches the contexts elastic starts
+    workers in."""
+    from torch.distributed.elastic import multiprocessing as elastic_mp
+
+    names = ("MultiprocessContext", "SubprocessContext")
+    originals = {name: getattr(elastic_mp, name) for name in names}
+    try:
+        for name, base in originals.items():
+            mixed = type(name, (FailedWorkerHandling, base), {"notice": notice})
+            setattr(elastic_mp, name, mixed)
+        yield
+    finally:
+        for name, base in originals.items():
+            setattr(elastic_mp, name, base)

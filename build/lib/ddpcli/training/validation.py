@@ -1,0 +1,77 @@
+"""Validation at an epoch's end: every sample counted once (strided shards, no padding, one
+all_reduce), the raw weights and, with --ema, the averaged ones beside them."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from ddpcli.config import TrainConfig
+from ddpcli.data.pipeline import DataPipeline
+from ddpcli.dist import DistContext, all_reduce_sum
+from ddpcli.training.ema import WeightAverage
+from ddpcli.training.parts import autocast_context
+
+NOT_VALIDATED = {"val_loss": None, "val_acc": None, "val_samples": None}
+
+
+class Validation:
+    """NOT_FINITE turns a finding ("the validation loss is nan") into the error that stops
+    every rank: the loop's, which says where the run stood."""
+
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        ctx: DistContext,
+        data: DataPipeline,
+        not_finite: Callable[[str], Exception],
+    ) -> None:
+        self.cfg, self.ctx, self.data = cfg, ctx, data
+        self.not_finite = not_finite
+
+    def epoch_metrics(self, model: nn.Module, ema: WeightAverage | None) -> dict[str, Any]:
+        """`val_loss`, `val_acc`, `val_samples`; with --ema, `ema_val_loss` and `ema_val_acc`
+        too. MODEL is unwrapped, so ranks with one batch fewer never wait on a collective."""
+        same_buffers_as_rank0(model, self.ctx)
+        loss, accuracy, samples = self.validate(model)
+        metrics: dict[str, Any] = {"val_loss": loss, "val_acc": accuracy, "val_samples": samples}
+        if ema is not None:
+            same_buffers_as_rank0(ema.module, self.ctx)
+            ema_loss, ema_accuracy, _ = self.validate(ema.module)
+            metrics.update(ema_val_loss=ema_loss, ema_val_acc=ema_accuracy)
+        return metrics
+
+    @torch.no_grad()
+    def validate(self, model: nn.Module) -> tuple[float, float, int]:
+        """Mean loss, accuracy and the samples counted, over every rank."""
+        model.eval()
+        sums = torch.zeros(3, device=self.ctx.device, dtype=torch.float64)
+        for images, labels in self.data.val_batches():
+            with autocast_context(self.cfg, self.ctx):
+                logits = model(images)
+                loss = nn.functional.cross_entropy(logits, labels, reduction="sum")
+            sums[0] += loss.double()
+            sums[1] += (logits.argmax(1) == labels).sum()
+            sums[2] += len(labels)
+        model.train()
+        total = all_reduce_sum(sums, self.ctx).tolist()
+        if not math.isfinite(total[0]):
+            raise self.not_finite(f"the validation loss is {total[0]}")
+        count = max(total[2], 1.0)
+        return total[0] / count, total[1] / count, int(total[2])
+
+
+@torch.no_grad()
+def same_buffers_as_rank0(model: nn.Module, ctx: DistContext) -> None:
+    """Each rank's BatchNorm statistics (and the EMA's, averaged from them) end the epoch
+    updated by its own last batch: DDP hands out rank 0's only at the next forward. Rank 0's
+    are the ones checkpoints save, so every rank validates with them: the figure is then
+    the saved model's (what `ddpcli eval` measures), not a blend of each rank's copy."""
+    if not ctx.distributed:
+        return
+    for buffer in model.buffers():
+        torch.distributed.broadcast(buffer, src=0)
