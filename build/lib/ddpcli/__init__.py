@@ -1,3 +1,0 @@
-"""ddpcli: PyTorch DistributedDataParallel training from the command line."""
-
-__version__ = "0.1.0"
