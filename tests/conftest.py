@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -60,6 +61,18 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
+
+
+def traced_counts(trace: Path, ranks: int, epoch: int | None = None) -> Counter:
+    """How often each sample index was handed out for training (DDPCLI_TRACE_SAMPLES=TRACE:
+    each rank's TRACE.rankN), over ranks 0..RANKS-1, in EPOCH only when given."""
+    seen: Counter = Counter()
+    for rank in range(ranks):
+        for line in trace.with_name(f"{trace.name}.rank{rank}").read_text().splitlines():
+            record = json.loads(line)
+            if epoch is None or record["epoch"] == epoch:
+                seen.update(record["indices"])
+    return seen
 
 
 def read_metrics(out: Path) -> list[dict]:

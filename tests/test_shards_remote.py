@@ -16,7 +16,7 @@ from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-from conftest import run_cli
+from conftest import free_port, run_cli, traced_counts
 from test_data_pack import invoke, pack, write_image_folder
 
 pytest.importorskip("s3fs")
@@ -229,17 +229,7 @@ def test_bad_urls_are_exit_2_with_one_line(http, s3_env, unused_port):
 
 @pytest.fixture
 def unused_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def traced_epoch(trace: Path, ranks: int) -> Counter:
-    seen: Counter = Counter()
-    for rank in range(ranks):
-        for line in trace.with_name(f"{trace.name}.rank{rank}").read_text().splitlines():
-            seen.update(json.loads(line)["indices"])
-    return seen
+    return free_port()
 
 
 def test_train_from_s3_stopped_and_resumed_at_another_world_trains_each_sample_once(
@@ -260,7 +250,7 @@ def test_train_from_s3_stopped_and_resumed_at_another_world_trains_each_sample_o
     assert second.returncode == 0, second.stderr[-3000:]
     assert "on shards" in second.stderr and "world 3 -> 2" in second.stderr
     samples = json.loads((packed / "index.json").read_text())["splits"]["train"]["samples"]
-    assert traced_epoch(trace, 3) == Counter(range(samples))
+    assert traced_counts(trace, 3) == Counter(range(samples))
     config = json.loads((out / "config.json").read_text())
     assert config["dataset"] == "shards" and config["data_dir"].startswith(f"s3://{BUCKET}/")
     shown = first.stdout + first.stderr + second.stdout + second.stderr

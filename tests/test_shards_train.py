@@ -14,7 +14,15 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from conftest import LiveProcess, clean_env, free_port, read_metrics, run_cli, write_noise_folder
+from conftest import (
+    LiveProcess,
+    clean_env,
+    free_port,
+    read_metrics,
+    run_cli,
+    traced_counts,
+    write_noise_folder,
+)
 
 from ddpcli.checkpoint.loading import safe_load
 from ddpcli.data.shards.index import (
@@ -144,16 +152,6 @@ SETTINGS = [
 ]  # fmt: skip
 
 
-def traced(trace: Path, ranks: int, epoch: int) -> Counter:
-    seen: Counter = Counter()
-    for rank in range(ranks):
-        for line in trace.with_name(f"{trace.name}.rank{rank}").read_text().splitlines():
-            record = json.loads(line)
-            if record["epoch"] == epoch:
-                seen.update(record["indices"])
-    return seen
-
-
 def test_stopped_at_3_ranks_and_resumed_at_2_each_sample_once(packed, tmp_path):
     out, trace = tmp_path / "run", tmp_path / "trace"
     env = {"DDPCLI_TRACE_SAMPLES": str(trace)}
@@ -182,8 +180,8 @@ def test_stopped_at_3_ranks_and_resumed_at_2_each_sample_once(packed, tmp_path):
     assert "epoch 1: 12 of 35 samples trained before the resume; the other 23 dealt from the " \
         "saved stream position over 2 ranks x 1 streams, 5 batches of 2 each, the last of them " \
         "3 to 4 (the tail folded in)" in second.stderr  # fmt: skip
-    assert traced(trace, 3, epoch=0) == Counter(good)  # each sample of epoch 1 once
-    assert traced(trace, 3, epoch=1) == Counter(good)  # and of epoch 2, at 2 ranks
+    assert traced_counts(trace, 3, epoch=0) == Counter(good)  # each sample of epoch 1 once
+    assert traced_counts(trace, 3, epoch=1) == Counter(good)  # and of epoch 2, at 2 ranks
     metrics = read_metrics(out)
     assert [(m["epoch"], m["world_size"]) for m in metrics] == [(1, 2), (2, 2)]
     assert {m["val_samples"] for m in metrics} == {36}  # every val sample once, unpadded
@@ -221,7 +219,7 @@ def test_a_host_joining_mid_epoch_changes_the_world_and_each_sample_is_still_tra
     assert "dealt from the saved stream position over 2 ranks" in first.stderr, logs
     good = Counter(sorted(set(all_numbers(packed)) - {bad_number(packed)}))
     for epoch in range(3):
-        assert traced(trace, 2, epoch) == good, (epoch, logs)
+        assert traced_counts(trace, 2, epoch) == good, (epoch, logs)
     assert [m["world_size"] for m in read_metrics(out)][-1] == 2, logs
 
 

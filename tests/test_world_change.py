@@ -8,13 +8,12 @@ its first epoch at 3 ranks and resumed at 2, checked from the samples each rank 
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import read_metrics, run_cli, write_noise_folder
+from conftest import read_metrics, run_cli, traced_counts, write_noise_folder
 from test_speed_paths import assert_same_batches, collect, context, pipeline, tiny_config
 
 from ddpcli.checkpoint.loading import safe_load
@@ -245,16 +244,6 @@ def data_settings(data_path: str, root: Path) -> list[str]:
             "--workers", "0"]  # fmt: skip
 
 
-def traced_epoch(trace: Path, ranks: int, epoch: int) -> Counter:
-    seen: Counter = Counter()
-    for rank in range(ranks):
-        for line in trace.with_name(f"{trace.name}.rank{rank}").read_text().splitlines():
-            record = json.loads(line)
-            if record["epoch"] == epoch:
-                seen.update(record["indices"])
-    return seen
-
-
 @pytest.mark.parametrize("data_path", ["device", "loader"])
 def test_a_run_stopped_at_3_ranks_and_resumed_at_2_trains_each_sample_once(tmp_path, data_path):
     out, trace = tmp_path / "run", tmp_path / "trace"
@@ -271,7 +260,7 @@ def test_a_run_stopped_at_3_ranks_and_resumed_at_2_trains_each_sample_once(tmp_p
     assert "world 3 -> 2: global batch 12 -> 8 (per-process batch 4 kept; 12 is not a " in said
     assert "epoch 1: 36 of 96 samples trained before the resume; the other 60 dealt over 2 " \
         "ranks, 7 batches of 4 each, the last of them 6 (the tail folded in)" in said  # fmt: skip
-    seen = traced_epoch(trace, 3, epoch=0)
+    seen = traced_counts(trace, 3, epoch=0)
     # Every sample of the epoch exactly once over both parts: the 4 that fill no global
     # batch of 8 at 2 ranks are trained in each rank's last micro-batch of 6.
     assert seen == Counter(range(SAMPLES))

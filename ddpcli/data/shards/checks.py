@@ -5,15 +5,17 @@ a size is one stat; a URL's shards are checked as they are read)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from ddpcli.data.shards.index import SPLITS, ShardIndex, read_index
 from ddpcli.data.shards.storage import ShardStore, is_url, shard_store
 from ddpcli.errors import usage_error
 
 
-def check_shard_source(location: object) -> ShardIndex:
+def check_shard_source(location: str | Path) -> ShardIndex:
     """LOCATION's index, checked against its shards: exit 2 naming what is wrong."""
-    index = read_index(location)  # type: ignore[arg-type]
-    check_shard_index(index, shard_store(location))  # type: ignore[arg-type]
+    index = read_index(location)
+    check_shard_index(index, shard_store(location))
     return index
 
 

@@ -9,6 +9,7 @@ row's `step`. Values that are not numbers (the data path's name, a null) are not
 
 from __future__ import annotations
 
+import abc
 import json
 import math
 from dataclasses import dataclass, field
@@ -40,16 +41,16 @@ class Opening:
     notes: list[str] = field(default_factory=list)  # lines a tracker leaves for the end
 
 
-class Tracker:
+class Tracker(abc.ABC):
     name = "tracker"
     # True: what it logs stays logged (MLflow's and W&B's histories only grow), so rows
     # reach it once a checkpoint holds their step: a resume never logs a step twice.
     # False: it forgets what a resume retrains by itself (CSV, TensorBoard), and rows go live.
     append_only = False
 
+    @abc.abstractmethod
     def start(self, opening: Opening) -> str | None:
         """Start (or continue) the run; its id, for the checkpoint (None: nothing to keep)."""
-        raise NotImplementedError
 
     def where(self) -> str | None:
         """Where its run is, in words, once started (the run's header says it)."""
@@ -60,16 +61,18 @@ class Tracker:
         that missed rows before its run's last checkpoint gets them again); None: unknown."""
         return None
 
+    @abc.abstractmethod
     def log_rows(self, rows: list[tuple[RowKind, dict[str, Any]]]) -> None:
         """ROWS in the order the run wrote them: each with its kind (steps.jsonl's or
         metrics.jsonl's)."""
-        raise NotImplementedError
 
     def log_files(self, paths: list[Path]) -> None:
         """Files as the run's artifacts; a tracker that keeps none ignores them."""
+        return None
 
+    @abc.abstractmethod
     def finish(self, ending: Ending) -> None:
-        raise NotImplementedError
+        """End the run with ENDING's status."""
 
 
 def metrics_of(kind: RowKind, row: dict[str, Any]) -> dict[str, float]:

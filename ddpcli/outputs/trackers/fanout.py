@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from ddpcli import ui
 from ddpcli.config import TrainConfig
+from ddpcli.errors import first_line
 from ddpcli.outputs.steplog import STEPS_FILE, read_rows
 from ddpcli.outputs.trackers.base import Ending, Opening, RowKind, Tracker, flat_params
 
@@ -200,7 +201,7 @@ class Courier:
 
     def failed(self, op: Op, error: Exception) -> None:
         if self.down is None:
-            self.down = first_line(error)
+            self.down = failure_line(error)
             ui.warn(
                 f"--tracker {self.name}: {self.down}; training goes on (the run folder's files "
                 "stay the record), and what it misses is sent when it answers again"
@@ -250,9 +251,10 @@ def spans(rows: list[Row]) -> str:
     return ", ".join(words) or "no rows"
 
 
-def first_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0][:300]}" if text else type(error).__name__
+def failure_line(error: BaseException) -> str:
+    """ERROR's first line after its type: a tracker library's errors often say little alone."""
+    said, kind = first_line(error), type(error).__name__
+    return kind if said == kind else f"{kind}: {said}"
 
 
 class Trackers:
