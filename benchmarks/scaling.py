@@ -237,7 +237,7 @@ def train_args(args: argparse.Namespace, arch: str, compression: str, world: int
         "--synthetic-size", str(batch * world * args.steps), "--epochs", "1",
         "--log-every", str(args.steps), "--precision", args.precision,
         "--grad-compression", compression, "--powersgd-start-step", "0",
-        "--timeout", str(args.run_timeout), "--json",
+        "--timeout", str(args.run_timeout), "--json", *args.train_flags.split(),
     ]  # fmt: skip
 
 
@@ -472,6 +472,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--image-size", type=int, default=32)
     parser.add_argument("--precision", default="fp32", help="ddpcli train's --precision")
     parser.add_argument("--cores-per-host", type=int, default=1)
+    parser.add_argument(
+        "--train-flags",
+        default="",
+        help="more `ddpcli train` flags for every run, e.g. '--bucket-cap-mb 100 --static-graph'",
+    )
     parser.add_argument("--bench-iters", type=int, default=5, help="all-reduces timed per link")
     parser.add_argument("--run-timeout", type=float, default=1800, help="seconds per run")
     parser.add_argument("--json", type=Path, help="also write every figure to this file")

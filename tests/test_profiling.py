@@ -55,6 +55,9 @@ def test_profile_steps_write_a_trace_per_rank_and_the_step_breakdown(tmp_path):
     assert json.loads(result.stdout)["step_breakdown"] == breakdown  # --json's summary
     assert [row["rank"] for row in breakdown["per_rank"]] == [0, 1]
     assert breakdown["slowest_rank"] in (0, 1)
+    assert breakdown["steps"] == 3  # the 6 steps less the 3 warm-up ones images/s leaves out
+    for row in map(json.loads, (out / "steps.jsonl").read_text().splitlines()):
+        assert min(row["compute_ms_per_rank"] + row["data_wait_frac_per_rank"]) >= 0, row
     for row in breakdown["per_rank"]:
         parts = ("data_wait", "compute", "exposed_comm", "optimizer", "other")
         assert sum(row[part] for part in parts) == pytest.approx(1.0, abs=0.01)

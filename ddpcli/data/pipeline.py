@@ -163,6 +163,7 @@ class DataPipeline:
         trace = cfg.trace_samples
         self.trace_file = trace.with_name(f"{trace.name}.rank{ctx.rank}") if trace else None
         self.shards: ShardFeed | None = None
+        self.loaders: list[LoaderBatches] = []  # what close() ends
         if isinstance(splits, ShardSplits):
             self._stream_shards(splits)
         elif isinstance(splits, FolderSplits):
@@ -227,6 +228,12 @@ class DataPipeline:
         self.train_size, self.val_size = len(train), len(val)
         self.train_loader = self._loader(train, drop_last=True)
         self.val_loader = self._loader(val, drop_last=False)
+        self.loaders = [self.train_loader, self.val_loader]
+
+    def close(self) -> None:
+        """End the loader workers before the process ends (LoaderBatches.close says why)."""
+        for loader in self.loaders:
+            loader.close()
 
     def _loader(self, dataset: KeyedImages, drop_last: bool) -> LoaderBatches:
         return LoaderBatches(

@@ -75,7 +75,7 @@ class EvalImages:
         workers = loader_workers(plan.workers, len(indices), ctx.local_world_size)
         loader = LoaderBatches(
             self.source, plan.per_gpu_batch, ctx.device, self.mean, self.std, workers,
-            ctx.device.type == "cuda", False,
+            ctx.device.type == "cuda", False, persistent=False,  # one pass: workers end with it
         )  # fmt: skip
         return loader.for_epoch(indices, 0, sizes)
 

@@ -34,9 +34,9 @@ if TYPE_CHECKING:  # the CLI reports with this module and must not import torch
 STRAGGLER_EXCESS = 0.10
 # A data wait above this share of the step gets a hint: the input pipeline is the limit.
 DATA_WAIT_HINT = 0.25
-# An epoch of fewer optimizer steps gives figures too noisy to warn on (a busy core, the
-# first step's allocations): they are still recorded, but no warning line names a rank.
-STEPS_TO_WARN = 8
+# Fewer timed optimizer steps (those after the warm-up ones) give figures too noisy to warn
+# on (a busy core): they are still recorded, but no warning line names a rank.
+STEPS_TO_WARN = 5
 METRIC_SLOTS = 3  # the loop's own sums come first: [loss sum, correct, count]
 # Each rank's slots: [data wait, compute, exposed communication, optimizer, wall] seconds.
 RANK_SLOTS = 5
@@ -59,6 +59,7 @@ class RankClock:
         buffer broadcast. HOOK_FORWARD False (under torch.compile, where a clock read in a
         hook would break the graph): the compute then starts before that broadcast."""
         self.wait_s = self.compute_s = self.comm_s = self.optimizer_s = 0.0
+        self.steps = 0  # optimizer steps timed
         self.epoch_started = time.perf_counter()
         self.started = 0.0
         self.training = False  # inside a training micro-step
@@ -79,7 +80,10 @@ class RankClock:
         self.last_gradient_at = time.perf_counter()
 
     def start_epoch(self) -> None:
+        """From here (the epoch's start, then again after the warm-up steps that images/s
+        leaves out too: a GPU's first steps autotune for seconds)."""
         self.wait_s = self.compute_s = self.comm_s = self.optimizer_s = 0.0
+        self.steps = 0
         self.epoch_started = time.perf_counter()
 
     def waited(self, batches: Iterable[Batch]) -> Iterator[Batch]:
@@ -112,6 +116,7 @@ class RankClock:
         self.training = False  # validation's forwards are not timed
         if optimizer_stepped:  # the optimizer step (nothing else ran since backward_done)
             self.optimizer_s += time.perf_counter() - self.started
+            self.steps += 1
 
     def epoch_seconds(self) -> float:
         return time.perf_counter() - self.epoch_started

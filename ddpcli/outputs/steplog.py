@@ -84,6 +84,8 @@ class StepLog:
         now = time.perf_counter()
         images = max(count, 1.0)
         previous = self.rank_totals or [0.0] * len(rank_totals)
+        if any(now_s < then_s for now_s, then_s in zip(rank_totals, previous, strict=True)):
+            previous = [0.0] * len(rank_totals)  # the clocks restarted after the warm-up steps
         interval = [a - b for a, b in zip(rank_totals, previous, strict=True)]
         wait_s, compute_s = rank_seconds(interval)
         figures = rank_figures(wait_s, compute_s, now - self.since, position["step"] - self.step)

@@ -273,6 +273,8 @@ class Trainer:
             mixed_images, targets = self.mixed(images, labels)
             self.train_micro_step(mixed_images, labels, sums, steps_now, accumulated, targets)
             timer.tick(len(labels))
+            if timer.seen == timer.warmup:  # the breakdown times what images/s times
+                self.clock.start_epoch()
             if not steps_now:
                 continue
             state.step += 1
@@ -293,8 +295,8 @@ class Trainer:
         """The epoch's row of metrics.jsonl, reduced over every rank."""
         cfg, ctx, state = self.cfg, self.ctx, self.state
         wait_s, compute_s = rank_seconds(totals[METRIC_SLOTS:])
-        ranks = rank_figures(wait_s, compute_s, self.clock.epoch_seconds(), steps)
-        self.breakdown = step_breakdown(totals[METRIC_SLOTS:], steps)
+        ranks = rank_figures(wait_s, compute_s, self.clock.epoch_seconds(), self.clock.steps)
+        self.breakdown = step_breakdown(totals[METRIC_SLOTS:], self.clock.steps)
         train_loss, train_acc = means(totals)
         images_per_sec = timer.images_per_sec(ctx)
         if self.preemption.agreed and stopped_inside:  # a scheduler's grace is short: save

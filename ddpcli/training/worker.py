@@ -146,6 +146,7 @@ def train_and_summarise(cfg: TrainConfig, ctx: DistContext) -> dict[str, Any]:
         (out / "config.json").write_text(cfg.model_dump_json(indent=2) + "\n")
     trainer = Trainer(cfg, ctx, pipeline)
     last = trainer.fit()
+    pipeline.close()
     summary = {
         **last,
         "out": str(out),
