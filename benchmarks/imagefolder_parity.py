@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 EXPORT_SIDE = 64
@@ -47,12 +48,15 @@ def export_digits(root: Path) -> None:
         )
 
 
-def run_ddpcli(data: Path, size: int, epochs: int, seed: int, out: Path) -> dict:
+def run_ddpcli(
+    data: Path, size: int, epochs: int, seed: int, out: Path, flags: Sequence[str] = ()
+) -> dict:
+    """ddpcli's defaults (2 Gloo ranks x 32), plus FLAGS (benchmarks/compression_accuracy.py)."""
     command = [
         sys.executable, "-m", "ddpcli", "train", "--cpu", "--nproc", "2", "--dataset",
         "imagefolder", "--data-dir", str(data), "--arch", "resnet18", "--image-size", str(size),
         "--epochs", str(epochs), "--per-gpu-batch", "32", "--seed", str(seed), "--out",
-        str(out), "--json",
+        str(out), "--json", *flags,
     ]  # fmt: skip
     started = time.perf_counter()
     result = subprocess.run(command, capture_output=True, text=True, timeout=3600, check=True)

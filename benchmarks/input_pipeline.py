@@ -11,8 +11,8 @@ ImageNet's median size, quality 90) once, packs it with `ddpcli data pack` once,
 times, interleaved round by round so that a change in the machine's load hits every
 contender alike, these contenders (each: random-resized crop at the size, flip, uint8 out):
 - `ddpcli folder`: ddpcli.data.loader.FolderDataset under `--augment rrc` (ddpcli.data.decode:
-  a JPEG decoded at a reduced scale where the crop allows, else by libjpeg-turbo straight
-  into a tensor, resized in uint8);
+  the box drawn from the JPEG's header, the JPEG decoded at a reduced scale where the box
+  allows, else by libjpeg-turbo straight into a tensor without PIL, resized in uint8);
 - `torchvision ImageFolder (PIL, uint8 out)`: ImageFolder, then transforms.v2's
   RandomResizedCrop (antialiased), RandomHorizontalFlip and PILToTensor on the PIL image:
   torchvision's fastest way to the same uint8 batch, the baseline of the ratios;
@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import functools
 import http.client
+import math
 import multiprocessing
 import os
 import statistics
@@ -509,10 +510,8 @@ def report(results: dict[tuple[int, str], list[tuple[float, float]]], args: Any)
 def pixel_differences(train: Path, sizes: list[int], count: int) -> None:
     """How far ddpcli's crops are from torchvision's (a full PIL decode, the same box cut and
     resized in uint8), over COUNT images: what the reduced-scale decode changes."""
-    from PIL import Image
-
     from ddpcli.data.augment import resized_crop_one
-    from ddpcli.data.decode import read_rgb, reduce_while_decoding
+    from ddpcli.data.decode import dct_reduction, read_rgb
 
     samples = folder_samples(train, folder_classes(train))[:count]
     for size in sizes:
@@ -520,14 +519,10 @@ def pixel_differences(train: Path, sizes: list[int], count: int) -> None:
         for index, (path, _) in enumerate(samples):
             box_for = functools.partial(crop_box_one, index, 0, 0)
             got = read_resized_crop(path, box_for, size).float()
-            want = resized_crop_one(read_rgb(path), index, 0, 0, size).float()
-            with Image.open(path) as image:
-                box = box_for(image.height, image.width)
-                wanted = (
-                    -(-image.width * size // box.width),
-                    -(-image.height * size // box.height),
-                )
-                reduced += reduce_while_decoding(image, *wanted) > 1
+            image = read_rgb(path)
+            want = resized_crop_one(image, index, 0, 0, size).float()
+            box = box_for(*image.shape[-2:])
+            reduced += dct_reduction(box.height, box.width, size) > 1
             differences.append((got - want).abs().flatten())
         every = torch.cat(differences)
         print(
@@ -574,6 +569,11 @@ def accuracy(args: argparse.Namespace) -> None:
     for name, values in zip(("folder", "shards"), zip(*pairs, strict=True), strict=True):
         spread = statistics.stdev(values) if len(values) > 1 else 0.0
         print(f"{name}: mean {statistics.fmean(values):.4f} +- {spread:.4f} (sd over seeds)")
+    if len(pairs) > 1:  # the paths draw other crops and orders: two samples, not pairs
+        on_folder, on_shards = zip(*pairs, strict=True)
+        error = math.sqrt(sum(statistics.variance(v) / len(v) for v in (on_folder, on_shards)))
+        difference = statistics.fmean(on_shards) - statistics.fmean(on_folder)
+        print(f"shards - folder: {difference * 100:+.2f} points, standard error {error * 100:.2f}")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -181,9 +181,9 @@ def has_cuda() -> bool:
 # handed out first: pytest-xdist deals tests in collection order, and a long test dealt
 # last keeps one worker busy while the others sit idle.
 LONG_MODULES = (
-    "test_multinode", "test_preempt", "test_faults", "test_recipe_resume", "test_trackers",
-    "test_loop_safety", "test_custom", "test_export", "test_shards_train", "test_shards_remote",
-    "test_speed_paths", "test_lr", "test_eval", "test_run_folders", "test_world_change",
+    "test_multinode", "test_shards_train", "test_preempt", "test_faults", "test_recipe_resume",
+    "test_trackers", "test_loop_safety", "test_export", "test_custom", "test_shards_remote",
+    "test_world_change", "test_lr", "test_eval", "test_run_folders", "test_speed_paths",
 )  # fmt: skip
 
 

@@ -67,6 +67,32 @@ def run_in(project: Path, *args: str, timeout: float = 60):
     return run_cli(*args, timeout=timeout, cwd=project, env={"PYTHONPATH": str(REPO)})
 
 
+@pytest.fixture
+def refused_in(monkeypatch):
+    """`ddpcli ARGS` in this process, from the user's project folder, for a command that must
+    exit 2 before any worker starts (no interpreter and torch import per call). The user's
+    modules, and the folder the import adds to sys.path, are gone afterwards."""
+    from typer.testing import CliRunner
+
+    from ddpcli.cli import app
+
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setenv("COLUMNS", "200")  # one line, as run_cli's environment has it
+    before = set(sys.modules)
+
+    def invoke(project: Path, *args: str):
+        monkeypatch.chdir(project)
+        return CliRunner().invoke(app, list(args))
+
+    yield invoke
+    for name in set(sys.modules) - before:
+        if name.startswith(USER_MODULES):
+            del sys.modules[name]
+
+
+USER_MODULES = ("mymodels", "mydata", "broken", "nowhere", "nothere", "ddpcli_user_")
+
+
 def import_file(path: Path, name: str):
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
@@ -130,10 +156,10 @@ def test_dry_run_builds_the_model_and_names_its_class_and_size(project):
         ("timm:resnet18", "timm models need timm, which is not installed; pip install"),
     ],
 )  # fmt: skip
-def test_each_bad_model_factory_exits_2_before_any_worker_starts(project, arch, words):
+def test_each_bad_model_factory_exits_2_before_any_worker_starts(project, refused_in, arch, words):
     out = project / "run"
-    result = run_in(project, "train", *TINY, "--arch", arch, "--out", str(out))
-    assert result.returncode == 2, result.stderr
+    result = refused_in(project, "train", *TINY, "--arch", arch, "--out", str(out))
+    assert result.exit_code == 2, result.output
     assert words in result.stderr
     assert "Traceback" not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
@@ -274,10 +300,12 @@ def test_a_custom_dataset_trains_with_exact_validation_and_an_exact_resume(data_
         ("mydata:nowhere", "invalid --dataset: mydata has no attribute 'nowhere'"),
     ],
 )  # fmt: skip
-def test_each_bad_dataset_factory_exits_2_before_any_worker_starts(data_project, dataset, words):
+def test_each_bad_dataset_factory_exits_2_before_any_worker_starts(
+    data_project, refused_in, dataset, words
+):
     out = data_project / "run"
-    result = run_in(data_project, "train", *TINY, "--dataset", dataset, "--out", str(out))
-    assert result.returncode == 2, result.stderr
+    result = refused_in(data_project, "train", *TINY, "--dataset", dataset, "--out", str(out))
+    assert result.exit_code == 2, result.output
     assert words in result.stderr
     assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
     assert not (out / "config.json").exists()
@@ -323,7 +351,7 @@ def test_a_factory_s_16_bit_pil_image_keeps_its_range():
 # --- Fine-tuning from someone's weights ------------------------------------------------------
 
 
-def test_init_from_then_reset_head_fine_tunes_to_another_class_count(data_project):
+def test_init_from_then_reset_head_fine_tunes_to_another_class_count(data_project, refused_in):
     import torch
 
     user_module = import_file(data_project / "mymodels.py", "mymodels_for_init")
@@ -335,13 +363,13 @@ def test_init_from_then_reset_head_fine_tunes_to_another_class_count(data_projec
         "--epochs", "1", "--init-from", str(weights), "--out", str(data_project / "run"),
     ]  # fmt: skip
 
-    other_classes = run_in(data_project, *common, "--model-arg", "width=6")
-    assert other_classes.returncode == 2, other_classes.stderr
+    other_classes = refused_in(data_project, *common, "--model-arg", "width=6")
+    assert other_classes.exit_code == 2, other_classes.output
     assert "head.weight is [10, 6] in the file, [3, 6] here" in other_classes.stderr
     assert "add --reset-head" in other_classes.stderr
 
-    other_body = run_in(data_project, *common, "--model-arg", "width=5", "--reset-head")
-    assert other_body.returncode == 2, other_body.stderr
+    other_body = refused_in(data_project, *common, "--model-arg", "width=5", "--reset-head")
+    assert other_body.exit_code == 2, other_body.output
     assert "does not fit this model (body.0.weight is [6, 3, 3, 3] in the file" in other_body.stderr
 
     tuned = run_in(data_project, *common, "--model-arg", "width=6", "--reset-head", timeout=180)

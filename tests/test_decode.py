@@ -16,11 +16,12 @@ from ddpcli.data.augment import crop_box_one, resized_crop_one
 from ddpcli.data.decode import (
     EncodedImage,
     UnreadableImage,
+    dct_reduction,
     libjpeg_decoder,
     read_resized_crop,
     read_rgb,
     read_rgb_at_least,
-    reduce_while_decoding,
+    straight_jpeg_size,
 )
 from ddpcli.data.layout import resize_side
 from ddpcli.data.sets import centre_view
@@ -54,7 +55,7 @@ def full_decode_crop(path, index: int, epoch: int, size: int) -> torch.Tensor:
     return resized_crop_one(read_rgb(path), index, 0, epoch, size)
 
 
-@pytest.mark.parametrize("size", [16, 32])
+@pytest.mark.parametrize("size", [16, 32, 112])
 def test_reduced_jpeg_crops_match_a_full_decode(photos, size):
     for index, (jpeg, _) in photos.items():
         for epoch in range(4):
@@ -68,14 +69,100 @@ def test_reduced_jpeg_crops_match_a_full_decode(photos, size):
             assert mirrored > 3 * difference.mean()  # the same flip drawn, the same box
 
 
-def test_a_jpeg_decodes_reduced_only_as_far_as_the_crop_allows(photos):
+@pytest.mark.parametrize(
+    ("height", "width", "size", "reduction"),
+    [
+        (375, 500, 224, 1),  # most 224 px crops of an ImageNet-sized photo: no scale keeps 224
+        (447, 900, 224, 1),  # one side short of 2 x 224
+        (448, 460, 224, 2),
+        (300, 280, 64, 4),
+        (511, 600, 64, 4),
+        (512, 600, 64, 8),  # 1/8 is libjpeg's smallest
+        (1000, 900, 32, 8),
+        (16, 16, 32, 1),  # smaller than the output: upsampled from every pixel
+    ],
+)
+def test_the_dct_reduction_is_the_largest_that_keeps_the_output_size(
+    height, width, size, reduction
+):
+    assert dct_reduction(height, width, size) == reduction
+
+
+def test_a_reduced_decode_never_falls_below_the_output_size(photos, monkeypatch):
+    """Every crop is resized down (antialiased) from at least SIZE x SIZE decoded pixels, and
+    the JPEG was decoded at the reduction the box allows."""
+    jpeg, _ = photos[0]
+    resizes = []
+    original_resize = Image.Image.resize
+
+    def recording_resize(self, size, resample=None, box=None, **kwargs):
+        resizes.append((self.size, box))
+        return original_resize(self, size, resample, box, **kwargs)
+
+    monkeypatch.setattr(Image.Image, "resize", recording_resize)
+    reductions = set()
+    for size in (16, 32, 64, 112):
+        for epoch in range(6):
+            box = crop_box_one(0, 0, epoch, 375, 500)
+            reduction = dct_reduction(box.height, box.width, size)
+            reductions.add(reduction)
+            resizes.clear()
+            read_resized_crop(jpeg, functools.partial(crop_box_one, 0, 0, epoch), size)
+            if reduction == 1:
+                continue  # libjpeg-turbo decoded it whole, torch resized it
+            [(decoded, (left, top, right, bottom))] = resizes
+            assert decoded == (-(-500 // reduction), -(-375 // reduction)), (size, epoch)
+            assert min(right - left, bottom - top) >= size, (size, epoch)
+    assert reductions == {1, 2, 4, 8}
+
+
+def test_the_header_read_without_pil_gives_the_stored_size(photos, tmp_path):
+    """The size a box is drawn from comes from the JPEG's frame header where libjpeg-turbo
+    decodes the file straight into a tensor: the size PIL reads, so the same boxes."""
+    if libjpeg_decoder() is None:
+        pytest.skip("this torchvision no longer decodes JPEGs: PIL reads every size")
     jpeg, png = photos[0]
-    with Image.open(jpeg) as image:
-        assert reduce_while_decoding(image, 62, 46) == 8 and image.size == (63, 47)
-    with Image.open(jpeg) as image:  # a box of 100 px to 64 px: no scale keeps it >= 64
-        assert reduce_while_decoding(image, 320, 240) == 1
-    with Image.open(png) as image:  # other formats decode whole
-        assert reduce_while_decoding(image, 62, 46) == 1 and image.size == (500, 375)
+    image = Image.open(jpeg)
+    exif = Image.Exif()
+    exif[0x0112] = 6  # an orientation, as a camera writes it: neither PIL nor libjpeg turns
+    straight = {
+        "baseline": {"quality": 90},
+        "progressive": {"progressive": True},
+        "with EXIF": {"exif": exif.tobytes()},
+        "4:4:4": {"subsampling": 0},
+    }
+    for name, options in straight.items():
+        encoded = io.BytesIO()
+        image.save(encoded, "JPEG", **options)
+        assert straight_jpeg_size(encoded.getvalue()) == (375, 500), name
+    for mode in ("L", "CMYK"):  # PIL converts these as ImageFolder does
+        encoded = io.BytesIO()
+        image.convert(mode).save(encoded, "JPEG")
+        assert straight_jpeg_size(encoded.getvalue()) is None, mode
+    data = jpeg.read_bytes()
+    for other in (png.read_bytes(), data[:100], b"\xff\xd8\xff", b""):
+        assert straight_jpeg_size(other) is None
+
+
+def test_a_full_scale_jpeg_crop_never_opens_pil(photos, monkeypatch):
+    """224 px crops of an ImageNet-sized JPEG leave no reduced scale: the size is read from the
+    JPEG's markers and libjpeg-turbo decodes it into a tensor, PIL never opening the file
+    (that cost about a tenth of the image's time), with torchvision's pixels to the last bit;
+    the batch gets contiguous images (stacked many times faster than interleaved)."""
+    if libjpeg_decoder() is None:
+        pytest.skip("this torchvision no longer decodes JPEGs: PIL does (the same pixels)")
+    jpeg, _ = photos[0]
+    wants = {epoch: full_decode_crop(jpeg, 0, epoch, 224) for epoch in range(3)}
+    want_view = centre_view(read_rgb(jpeg), 224)
+
+    def no_pil(*args, **kwargs):
+        raise AssertionError("PIL opened the file")
+
+    monkeypatch.setattr(Image, "open", no_pil)
+    for epoch, want in wants.items():
+        got = read_resized_crop(jpeg, functools.partial(crop_box_one, 0, 0, epoch), 224)
+        assert torch.equal(got, want) and got.is_contiguous(), epoch
+    assert torch.equal(centre_view(read_rgb_at_least(jpeg, resize_side(224)), 224), want_view)
 
 
 def test_png_crops_match_torchvision_within_rounding(photos):
@@ -104,29 +191,6 @@ def test_an_unreadable_file_is_named(tmp_path):
     with pytest.raises(UnreadableImage, match="broken.jpg") as error:
         read_resized_crop(bad, functools.partial(crop_box_one, 0, 0, 0), 16)
     assert error.value.exit_code == 2
-
-
-def test_a_full_scale_jpeg_goes_straight_from_libjpeg_into_a_tensor(photos, monkeypatch):
-    """224 px crops of an ImageNet-sized JPEG leave no reduced scale: libjpeg-turbo decodes
-    them into a tensor (PIL only reads the header), with torchvision's pixels to the last
-    bit, and the batch gets contiguous images (stacked many times faster than interleaved)."""
-    from PIL import ImageFile
-
-    if libjpeg_decoder() is None:
-        pytest.skip("this torchvision no longer decodes JPEGs: PIL does (the same pixels)")
-    jpeg, _ = photos[0]
-    wants = {epoch: full_decode_crop(jpeg, 0, epoch, 224) for epoch in range(3)}
-    side = resize_side(224)
-    want_view = centre_view(read_rgb(jpeg), 224)
-
-    def no_pil_decode(self):
-        raise AssertionError("PIL decoded the pixels")
-
-    monkeypatch.setattr(ImageFile.ImageFile, "load", no_pil_decode)
-    for epoch, want in wants.items():
-        got = read_resized_crop(jpeg, functools.partial(crop_box_one, 0, 0, epoch), 224)
-        assert torch.equal(got, want) and got.is_contiguous(), epoch
-    assert torch.equal(centre_view(read_rgb_at_least(jpeg, side), 224), want_view)
 
 
 def test_the_box_is_drawn_from_the_stored_size_at_every_scale(photos):

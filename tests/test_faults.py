@@ -339,13 +339,15 @@ def test_sigkill_with_max_restarts_resumes_from_last_checkpoint(tmp_path, init):
     they must not read the dead ones' addresses there."""
     out, init_file = tmp_path / "run", tmp_path / "init"
     args = [
-        "train", *TINY, "--per-gpu-batch", "16", "--synthetic-size", "4096", "--nproc", "2",
+        "train", *TINY, "--per-gpu-batch", "16", "--synthetic-size", "1024", "--nproc", "2",
         "--epochs", "2", "--log-every", "8", "--max-restarts", "1", "--timeout", "20",
         "--out", str(out),
     ]  # fmt: skip
     if init == "file":
         args += ["--init-method", f"file://{init_file}"]
-    with Background(*args) as run:
+    # 32 steps an epoch, each of rank 1's batches 20 ms late: the kill at step 8 of epoch 2
+    # lands mid-epoch on an idle machine too.
+    with Background(*args, env=clean_env(DDPCLI_SLOW_DATA="1:0.02")) as run:
         run.wait_for("epoch 2/2 step")  # epoch 1 and its checkpoints/last.pt are written
         run.kill_worker(1)
         code = run.finish(timeout=150)

@@ -23,20 +23,27 @@ COMPARED = ("train_loss", "train_acc", "val_loss", "val_acc", "lr")
 STARTUP_S = 90
 
 
-def started(out, *extra: str) -> LiveProcess:
-    command = [sys.executable, "-m", "ddpcli", "train", *SETTINGS, "--out", str(out), *extra]
-    run = LiveProcess(command, clean_env())
+def started(out, *extra: str, settings=SETTINGS, env: dict | None = None) -> LiveProcess:
+    command = [sys.executable, "-m", "ddpcli", "train", *settings, "--out", str(out), *extra]
+    run = LiveProcess(command, clean_env(**(env or {})))
     run.wait_for("epoch 1/1 step 2/", STARTUP_S)  # training, not starting up
     return run
 
 
+# This test trains the whole epoch twice (the reference, and the stop plus its resume): a
+# quarter of the set, each of rank 1's 64 batches 10 ms late, keeps the SIGTERM mid-epoch on
+# an idle machine at a quarter of the steps.
+WHOLE_EPOCH = [value if value != "8192" else "2048" for value in SETTINGS]
+SLOWED = {"DDPCLI_SLOW_DATA": "1:0.01"}
+
+
 def test_sigterm_to_one_worker_saves_and_the_resume_matches_the_whole_run(tmp_path):
     reference = tmp_path / "reference"
-    whole = run_cli("train", *SETTINGS, "--out", str(reference), timeout=240)
+    whole = run_cli("train", *WHOLE_EPOCH, "--out", str(reference), env=SLOWED, timeout=240)
     assert whole.returncode == 0, whole.stderr[-3000:]
 
     out = tmp_path / "run"
-    run = started(out)
+    run = started(out, settings=WHOLE_EPOCH, env=SLOWED)
     try:
         os.kill(child_workers(run.process.pid)[1], signal.SIGTERM)  # rank 1 only
         code = run.finish(timeout=90)
@@ -50,7 +57,9 @@ def test_sigterm_to_one_worker_saves_and_the_resume_matches_the_whole_run(tmp_pa
     assert list((out / "checkpoints").glob("step-*.pt")), "no mid-epoch checkpoint"
     assert_no_worker_left(out)
 
-    resumed = run_cli("train", *SETTINGS, "--out", str(out), "--resume", "auto", timeout=240)
+    resumed = run_cli(
+        "train", *WHOLE_EPOCH, "--out", str(out), "--resume", "auto", env=SLOWED, timeout=240
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stderr and ", batch " in resumed.stderr
     got, want = read_metrics(out), read_metrics(reference)

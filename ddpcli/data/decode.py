@@ -4,18 +4,22 @@ and the loader path's faster twins for JPEGs, whose pixels are resized anyway.
 A JPEG's decode is most of an image's cost in a loader worker, so the loader's readers take
 one of two shortcuts, both through libjpeg-turbo:
 - Reduced scale. libjpeg can decode at 1/2, 1/4 or 1/8 of the size (PIL's `draft`): it skips
-  most of the inverse DCT and the colour conversion. An ImageNet-sized photo (about 500x375)
-  cropped at random and resized to 64 px rarely needs every pixel: the decoder is asked for
-  the smallest scale that still leaves the crop at least as large as the output, so the
+  most of the inverse DCT and the colour conversion. The box a crop cuts is drawn first, from
+  the size stored in the file, then the decoder is asked for the smallest scale that still
+  leaves the box at least as large as the output on each side (`dct_reduction`), so the
   resize that follows still only shrinks (antialiased), and the pixels stay within
-  interpolation tolerance of a full decode.
+  interpolation tolerance of a full decode. An ImageNet-sized photo (about 500x375) cropped
+  at random and resized to 64 px rarely needs every pixel. Neither PIL nor torchvision
+  exposes libjpeg's finer scales (5/8 to 7/8) or its row skipping.
 - Full scale, straight into a tensor. Where no reduced scale keeps enough pixels (most
-  224 px crops), libjpeg-turbo decodes through `torchvision.io.decode_jpeg`, the same
-  library and settings as PIL's, so the same pixels, without PIL's 4-byte-per-pixel image
-  and its copy into a tensor; the pixels stay interleaved (channels last), which is the
-  layout torch's vectorised uint8 antialiased resize reads. torchvision deprecates its
-  decoders from 0.29: where they are gone, PIL decodes instead (same pixels, slower).
-The box a crop cuts is drawn from the stored size either way: a seed means the same crops.
+  224 px crops), the size is read from the JPEG's frame header (`straight_jpeg_size`: PIL's
+  opening of the file cost about a tenth of the image's time) and libjpeg-turbo decodes
+  through torchvision's `decode_jpeg` op, the same library and settings as PIL's, so the
+  same pixels, without PIL's 4-byte-per-pixel image and its copy into a tensor; the pixels
+  stay interleaved (channels last), which is the layout torch's vectorised uint8
+  antialiased resize reads. torchvision deprecates its decoders from 0.29: where they are
+  gone, PIL decodes instead (same pixels, slower).
+The box is drawn from the stored size either way: a seed means the same crops.
 """
 
 from __future__ import annotations
@@ -23,8 +27,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import io
-import math
-import warnings
+import struct
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO, NamedTuple
@@ -80,17 +83,17 @@ def encoded(source: ImageSource) -> EncodedImage:
     return EncodedImage(str(source), Path(source).read_bytes())
 
 
+def source_name(source: ImageSource) -> str:
+    return source.name if isinstance(source, EncodedImage) else str(source)
+
+
 @contextlib.contextmanager
-def opened(source: ImageSource) -> Iterator[tuple[Image, bytes]]:
-    """SOURCE opened by PIL (its header read), and its bytes; any failure to read or decode it
-    (also while the caller decodes) becomes UnreadableImage, naming the file."""
+def named_failures(name: str) -> Iterator[None]:
+    """Any failure to read or decode the image file NAME becomes UnreadableImage, naming it."""
     from PIL import Image
 
-    name = source.name if isinstance(source, EncodedImage) else str(source)
     try:
-        file = encoded(source)
-        with Image.open(io.BytesIO(file.data)) as image:
-            yield image, file.data
+        yield
     except (OSError, SyntaxError, ValueError, EOFError, Image.DecompressionBombError) as error:
         reason = (
             "not an image file PIL can read"
@@ -101,6 +104,16 @@ def opened(source: ImageSource) -> Iterator[tuple[Image, bytes]]:
             f"cannot decode image {name}: {reason}; fix or delete the file, or pass "
             "--skip-bad-images to leave such files out"
         ) from None
+
+
+@contextlib.contextmanager
+def opened(source: ImageSource) -> Iterator[Image]:
+    """SOURCE opened by PIL (its header read); any failure to read or decode it (also while
+    the caller decodes) becomes UnreadableImage, naming the file."""
+    from PIL import Image
+
+    with named_failures(source_name(source)), Image.open(io.BytesIO(encoded(source).data)) as image:
+        yield image
 
 
 def as_rgb(image: Image) -> Image:
@@ -159,35 +172,60 @@ def to_tensor(image: Image) -> torch.Tensor:
 def read_rgb(source: ImageSource) -> torch.Tensor:
     """uint8 (3, H, W), every pixel, as ImageFolder reads them (PIL decodes: this feeds the
     caches and --skip-bad-images' threads, where PIL lets go of the GIL)."""
-    with opened(source) as (image, _):
+    with opened(source) as image:
         return to_tensor(as_rgb(image))
 
 
 @functools.cache
 def libjpeg_decoder() -> Callable[[torch.Tensor], torch.Tensor] | None:
     """torchvision's libjpeg-turbo decoder to RGB, or None where it is gone (deprecated from
-    torchvision 0.29) or its image extension did not load: tried once on a tiny JPEG."""
+    torchvision 0.29) or its image extension did not load: tried once on a tiny JPEG. The op
+    itself, not `torchvision.io.decode_jpeg`, whose deprecation warning and usage logging
+    cost 40 us a call (a 224 px crop takes about 2 ms)."""
     from PIL import Image
 
     try:
-        from torchvision.io import ImageReadMode, decode_jpeg
+        import torchvision.io  # registers the image ops
 
-        decoder = functools.partial(decode_jpeg, mode=ImageReadMode.RGB)
+        decoder = functools.partial(
+            torch.ops.image.decode_jpeg, mode=torchvision.io.ImageReadMode.RGB.value
+        )
         sample = io.BytesIO()
         Image.new("RGB", (16, 8), (200, 100, 50)).save(sample, "JPEG")
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)
-            decoded = decoder(torch.frombuffer(bytearray(sample.getvalue()), dtype=torch.uint8))
-    except (ImportError, RuntimeError, TypeError):
+        decoded = decoder(torch.frombuffer(bytearray(sample.getvalue()), dtype=torch.uint8))
+    except (ImportError, AttributeError, RuntimeError, TypeError):
         return None
     return decoder if decoded.shape == (3, 8, 16) else None
 
 
-def straight_to_tensor(image: Image) -> bool:
-    """Whether IMAGE, opened and not yet decoded, may be decoded by libjpeg-turbo straight into
-    a tensor: a plain JPEG that PIL reads as RGB (grey, CMYK and MPO go through PIL, whose
-    conversions ImageFolder's pixels are), where torchvision still decodes."""
-    return image.format == "JPEG" and image.mode == "RGB" and libjpeg_decoder() is not None
+# Start-of-frame markers (the frame header holds the stored size): all of them, and those
+# of the Huffman-coded frames PIL and torchvision both read with libjpeg's default settings.
+FRAME_MARKERS = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}  # not DHT, JPG, DAC
+HUFFMAN_FRAMES = (0xC0, 0xC1, 0xC2)  # baseline, extended sequential, progressive
+
+
+def straight_jpeg_size(data: bytes) -> tuple[int, int] | None:
+    """The stored (height, width) of a JPEG that libjpeg-turbo may decode straight into a
+    tensor: 8-bit, three components (YCbCr or RGB: what PIL opens as RGB), Huffman-coded,
+    within PIL's decompression-bomb limit, where torchvision still decodes. None for anything
+    else (grey, CMYK, other formats, a header cut short): PIL opens those, as ImageFolder."""
+    from PIL import Image
+
+    if not data.startswith(b"\xff\xd8") or libjpeg_decoder() is None:
+        return None
+    position = 2
+    while position + 10 <= len(data) and data[position] == 0xFF:
+        marker = data[position + 1]
+        if marker == 0xFF:  # a fill byte before a marker
+            position += 1
+        elif marker in FRAME_MARKERS:
+            precision, height, width, components = struct.unpack_from(">BHHB", data, position + 4)
+            bomb = Image.MAX_IMAGE_PIXELS is not None and height * width > Image.MAX_IMAGE_PIXELS
+            straight = marker in HUFFMAN_FRAMES and precision == 8 and components == 3
+            return (height, width) if straight and height and width and not bomb else None
+        else:  # APPn, DQT, DHT...: skip the segment by its length
+            position += 2 + int.from_bytes(data[position + 2 : position + 4], "big")
+    return None
 
 
 def jpeg_pixels(data: bytes) -> torch.Tensor:
@@ -195,13 +233,11 @@ def jpeg_pixels(data: bytes) -> torch.Tensor:
     same pixels as PIL's), strided channels last as libjpeg writes them. A corrupt or
     truncated file raises OSError, with libjpeg's reason."""
     decoder = libjpeg_decoder()
-    assert decoder is not None  # straight_to_tensor said so
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)  # see the module's docstring
-        try:
-            return decoder(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-        except RuntimeError as error:  # "decode_jpeg, <source>.cpp:171, <libjpeg's reason>"
-            raise OSError(str(error).split(".cpp:", 1)[-1].split(", ", 1)[-1]) from None
+    assert decoder is not None  # straight_jpeg_size said so
+    try:
+        return decoder(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    except RuntimeError as error:  # "decode_jpeg, <source>.cpp:171, <libjpeg's reason>"
+        raise OSError(str(error).split(".cpp:", 1)[-1].split(", ", 1)[-1]) from None
 
 
 def resized_uint8(pixels: torch.Tensor, size: int) -> torch.Tensor:
@@ -213,25 +249,38 @@ def resized_uint8(pixels: torch.Tensor, size: int) -> torch.Tensor:
     )[0]
 
 
-def reduce_while_decoding(image: Image, width: int, height: int) -> int:
-    """Let a JPEG decode at the smallest scale that keeps it at least WIDTH x HEIGHT; the
-    factor it took (1, 2, 4 or 8; 1 for other formats)."""
-    full_width = image.size[0]
-    image.draft(None, (max(1, width), max(1, height)))  # a no-op for formats other than JPEG
-    return max(1, round(full_width / image.size[0]))
+DCT_REDUCTIONS = (8, 4, 2)  # the scales 1/8, 1/4, 1/2 that PIL's draft asks libjpeg for
+
+
+def dct_reduction(height: int, width: int, size: int) -> int:
+    """The largest factor (8, 4 or 2; else 1) by which libjpeg may shrink a HEIGHT x WIDTH
+    region while decoding and still leave it at least SIZE on each side."""
+    return next((factor for factor in DCT_REDUCTIONS if min(height, width) >= size * factor), 1)
+
+
+def decode_reduced(image: Image, reduction: int) -> int:
+    """Let IMAGE, opened and not yet decoded, decode at 1/REDUCTION scale if it is a JPEG; the
+    factor it took (1 for other formats)."""
+    stored_width, stored_height = image.size
+    if reduction > 1:  # PIL picks the largest scale whose size is at least the one asked
+        image.draft(None, (stored_width // reduction, stored_height // reduction))
+    return max(1, round(stored_width / image.size[0]))
 
 
 def read_rgb_at_least(source: ImageSource, side: int) -> torch.Tensor:
     """uint8 (3, H, W) with the shorter side at least SIDE where the file allows (a JPEG may
     decode smaller than stored): for views that resize the shorter side to SIDE. A JPEG at
     full scale comes from libjpeg channels last, which torchvision's resize reads fastest."""
-    with opened(source) as (image, data):
-        width, height = image.size
-        scale = side / max(1, min(width, height))
-        reduce = reduce_while_decoding(image, math.ceil(width * scale), math.ceil(height * scale))
-        if reduce == 1 and straight_to_tensor(image):
+    from PIL import Image
+
+    with named_failures(source_name(source)):
+        data = encoded(source).data
+        stored = straight_jpeg_size(data)
+        if stored is not None and dct_reduction(*stored, side) == 1:
             return jpeg_pixels(data)
-        return to_tensor(as_rgb(image))
+        with Image.open(io.BytesIO(data)) as image:  # other formats, or a reduced scale
+            decode_reduced(image, dct_reduction(image.height, image.width, side))
+            return to_tensor(as_rgb(image))
 
 
 def read_resized_crop(source: ImageSource, box_for: CropBoxFor, size: int) -> torch.Tensor:
@@ -239,29 +288,39 @@ def read_resized_crop(source: ImageSource, box_for: CropBoxFor, size: int) -> to
     (height, width), cut and resized (bilinear, antialiased: PIL's uint8 resampler, the one
     torchvision's antialiased resize reproduces) and mirrored if drawn so. The JPEG decodes
     at the smallest scale that leaves the box at least SIZE on each side; at full scale,
-    libjpeg-turbo decodes it straight into a tensor (the module's docstring)."""
-    with opened(source) as (image, data):
-        width, height = image.size
-        box = box_for(height, width)
-        reduce = reduce_while_decoding(
-            image, math.ceil(width * size / box.width), math.ceil(height * size / box.height)
-        )
-        if reduce == 1 and straight_to_tensor(image):
-            whole = jpeg_pixels(data)
-            crop = whole[:, box.top : box.top + box.height, box.left : box.left + box.width]
-            interleaved = resized_uint8(crop, size).permute(1, 2, 0).numpy()
-        else:
-            interleaved = reduced_crop(image, box, reduce, size)
+    libjpeg-turbo decodes it straight into a tensor, PIL never opening it (the module's
+    docstring)."""
+    from PIL import Image
+
+    with named_failures(source_name(source)):
+        data = encoded(source).data
+        stored = straight_jpeg_size(data)
+        box = box_for(*stored) if stored else None
+        if box and dct_reduction(box.height, box.width, size) == 1:
+            interleaved = full_scale_crop(data, box, size)
+        else:  # other formats, or a reduced scale: PIL decodes
+            with Image.open(io.BytesIO(data)) as image:
+                box = box or box_for(image.height, image.width)
+                interleaved = pil_crop(image, box, size)
     return planes(interleaved, box.flip)
 
 
-def reduced_crop(image: Image, box: CropBox, reduce: int, size: int) -> np.ndarray:
-    """uint8 (SIZE, SIZE, 3): the BOX (in stored pixels) of IMAGE decoded by PIL at 1/REDUCE
-    scale, resized with PIL's uint8 resampler, which takes the box's fractional edges as
-    they are."""
+def full_scale_crop(data: bytes, box: CropBox, size: int) -> np.ndarray:
+    """uint8 (SIZE, SIZE, 3): the BOX of the JPEG DATA, decoded whole by libjpeg-turbo and
+    resized in uint8 by torch."""
+    whole = jpeg_pixels(data)
+    crop = whole[:, box.top : box.top + box.height, box.left : box.left + box.width]
+    return resized_uint8(crop, size).permute(1, 2, 0).numpy()
+
+
+def pil_crop(image: Image, box: CropBox, size: int) -> np.ndarray:
+    """uint8 (SIZE, SIZE, 3): the BOX (in stored pixels) of IMAGE, opened and not yet decoded,
+    decoded by PIL (a JPEG at the reduced scale the box allows), resized with PIL's uint8
+    resampler, which takes the box's fractional edges as they are."""
     import numpy as np
     from PIL import Image as PILImage
 
+    reduce = decode_reduced(image, dct_reduction(box.height, box.width, size))
     region = (  # the box in the decoded pixels: a reduced pixel covers REDUCE stored ones
         box.left / reduce,
         box.top / reduce,

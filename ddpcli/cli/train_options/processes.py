@@ -59,7 +59,7 @@ GradCompression = Annotated[
     train_option(
         "grad_compression",
         "What DDP all-reduces: fp32 gradients (none), fp16 or bf16 casts (half the bytes), or "
-        "PowerSGD's rank-RANK factors with error feedback (powersgd: rank 2).",
+        "PowerSGD's rank-RANK factors with error feedback (powersgd: rank 4).",
         PANEL,
         metavar="none|fp16|bf16|powersgd[:RANK]",
     ),
