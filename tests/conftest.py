@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import os
 import signal
@@ -23,6 +24,18 @@ LAUNCHER_VARIABLES = (
     "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK",
     "MASTER_ADDR", "MASTER_PORT",
 )  # fmt: skip
+
+
+@contextlib.contextmanager
+def benchmark_module(name: str):
+    """benchmarks/NAME.py, imported as the scripts import each other: their folder on sys.path
+    while the module is in use."""
+    folder = str(REPO / "benchmarks")
+    sys.path.insert(0, folder)
+    try:
+        yield importlib.import_module(name)
+    finally:
+        sys.path.remove(folder)
 
 
 def clean_env(**extra: str) -> dict[str, str]:

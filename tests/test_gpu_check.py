@@ -1,7 +1,6 @@
 """benchmarks/gpu_check.sh: on a machine without a GPU it checks its own plan and exits 0;
 a renamed flag is caught here, not on the GPU machine."""
 
-import importlib
 import shutil
 import subprocess
 import sys
@@ -9,18 +8,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, clean_env
+from tests.conftest import REPO, benchmark_module, clean_env
 
 BENCHMARKS = REPO / "benchmarks"
 
 
 @pytest.fixture(scope="module")
 def check():
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        yield importlib.import_module("gpu_check")
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    with benchmark_module("gpu_check") as module:
+        yield module
 
 
 @pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="this machine has a GPU")

@@ -1,21 +1,16 @@
 """benchmarks/gpu_throughput.py's arithmetic: MFU is one GPU's FLOP/s over one GPU's peak."""
 
-import importlib
-import sys
 from pathlib import Path
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+from tests.conftest import benchmark_module
 
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        yield importlib.import_module("gpu_throughput")
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    with benchmark_module("gpu_throughput") as module:
+        yield module
 
 
 def test_mfu_divides_the_rate_of_every_rank_by_every_gpu(bench):

@@ -2,23 +2,15 @@
 "Projected at 8, 64 and 512 GPUs") behaves as a cost model must, and its models' figures
 are ddpcli's own."""
 
-import importlib
-import sys
-
 import pytest
 
-from tests.conftest import REPO
-
-BENCHMARKS = REPO / "benchmarks"
+from tests.conftest import benchmark_module
 
 
 @pytest.fixture(scope="module")
 def projection():
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        yield importlib.import_module("projection")
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    with benchmark_module("projection") as module:
+        yield module
 
 
 def test_the_cost_model_at_one_gpu_by_bandwidth_by_hand_and_with_compression(projection):

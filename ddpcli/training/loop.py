@@ -272,8 +272,7 @@ class Trainer:
             accumulated = self.schedule.micro_batches_in_step(state, state.batch_in_epoch)
             mixed_images, targets = self.mixed(images, labels)
             self.train_micro_step(mixed_images, labels, sums, steps_now, accumulated, targets)
-            timer.tick(len(labels))
-            if timer.seen == timer.warmup:  # the breakdown times what images/s times
+            if timer.tick(len(labels)):  # the breakdown times what images/s times
                 self.clock.start_epoch()
             if not steps_now:
                 continue

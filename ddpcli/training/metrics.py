@@ -60,12 +60,15 @@ class StepTimer:
         self.images = 0
         self.start: float | None = synced_clock(device) if self.warmup == 0 else None
 
-    def tick(self, batch_images: int) -> None:
+    def tick(self, batch_images: int) -> bool:
+        """Count a micro-batch; True where the timed steps start (the warm-up just ended)."""
         self.seen += 1
         if self.seen == self.warmup:
             self.start = synced_clock(self.device)
-        elif self.seen > self.warmup:
+            return True
+        if self.seen > self.warmup:
             self.images += batch_images
+        return False
 
     def running_rate(self, ctx: DistContext) -> float | None:
         if self.start is None or not self.images:
