@@ -75,6 +75,19 @@ def rate_of(metrics: dict) -> str:
     return "img/s not measured" if rate is None else f"{rate:.0f} img/s"
 
 
+BYTE_UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
+
+
+def byte_size(count: float) -> str:
+    """A byte count as every command says one: powers of 1024 by their IEC names, one
+    decimal at most (512 B, 1 KiB, 25.5 KiB, 42.7 MiB)."""
+    for unit in BYTE_UNITS:
+        if round(count, 1) < 1024 or unit == BYTE_UNITS[-1]:
+            return f"{round(count, 1):g} {unit}"
+        count /= 1024
+    raise AssertionError("unreachable: the last unit returns")
+
+
 def epoch_line(metrics: dict, epochs: int) -> None:
     info(f"epoch {metrics['epoch']}/{epochs} · {format_metrics(metrics)}")
 

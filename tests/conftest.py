@@ -99,6 +99,34 @@ def run_cli(*args: str, timeout: float = 120, env: dict | None = None, cwd=None)
     )
 
 
+@pytest.fixture
+def in_process(monkeypatch):
+    """`ddpcli ARGS` in this process, for a command that ends before any worker starts (bad
+    input's exit 2, a --dry-run): no interpreter and no torch import per call, several
+    CPU-seconds each as a process. The environment run_cli gives (no launcher's variables,
+    a wide terminal), from CWD; a train's fork server is not started (it would import
+    torch for nothing). A CompletedProcess, as run_cli's."""
+    from typer.testing import CliRunner
+
+    from ddpcli.cli import app
+
+    for name in os.environ.keys() - clean_env().keys():
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("COLUMNS", "200")
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setattr(
+        "ddpcli.launcher.launch.early_fork_server", lambda *args: contextlib.nullcontext()
+    )
+    monkeypatch.setattr("gc.freeze", lambda: None)  # a launch's: for good, in this process
+
+    def invoke(*args: str, cwd=None):
+        monkeypatch.chdir(cwd or REPO)
+        result = CliRunner().invoke(app, list(args), catch_exceptions=False)
+        return subprocess.CompletedProcess(args, result.exit_code, result.stdout, result.stderr)
+
+    return invoke
+
+
 def run_bounded(command: list[str], timeout: float, env: dict | None = None, cwd=None):
     """Run a command in its own session; on timeout kill the whole process group (the
     launcher and every worker), then fail the test the way subprocess.run would."""
@@ -128,6 +156,17 @@ def kill_group(pid: int) -> None:
         os.killpg(pid, signal.SIGKILL)
 
 
+def ignores_ctrl_c() -> bool:
+    """This test run ignores SIGINT (started in the background by a non-interactive shell):
+    so would its commands, and a test's Ctrl-C would change nothing."""
+    return signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+
+
+def answer_ctrl_c() -> None:
+    """SIGINT's default in a command, as a terminal's foreground job has it."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class LiveProcess:
     """A command in its own session, its stderr read line by line as it comes, so that a
     test can act at a chosen moment (kill a worker mid-epoch, cut a node off)."""
@@ -136,6 +175,7 @@ class LiveProcess:
         self.process = subprocess.Popen(
             command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
             env=tagged(env or clean_env(), command), cwd=REPO, start_new_session=True,
+            preexec_fn=answer_ctrl_c if ignores_ctrl_c() else None,
         )  # fmt: skip
         self.lines: list[str] = []
         self.reader = threading.Thread(target=self._read, daemon=True)

@@ -55,16 +55,20 @@ def test_staggered_demo_ranks_leave_together_when_the_last_arrives():
 
 
 def test_one_rank_times_a_real_barrier():
-    """A one-GPU node's default world: one rank still forms a group, whose barrier is timed."""
-    result = bench("--nproc", "1", "--iters", "5", "--json")
+    """A one-GPU node's default world: one rank still forms a group, whose barrier is timed.
+    A collective of one rank moves nothing: no bandwidth (broadcast's read "44 TB/s")."""
+    result = bench("--nproc", "1", "--iters", "5", "--collective", "broadcast,all_reduce",
+                   "--sizes", "1K", "--json")  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert_no_traceback(result)
     report = json.loads(result.stdout)
     assert [row["rank"] for row in report["ranks"]] == [0]
-    assert_contract_shape(report, world_size=1)
+    assert_contract_shape(report, world_size=1, collectives=("broadcast", "all_reduce"))
+    for row in report["collectives"]:
+        assert row["time_us"] > 0 and row["algbw_GBps"] is None and row["busbw_GBps"] is None
 
 
-def assert_contract_shape(report: dict, world_size: int) -> None:
+def assert_contract_shape(report: dict, world_size: int, collectives: tuple[str, ...] = ()) -> None:
     for row in report["ranks"]:
         assert {"rank", "arrive_s", "leave_s", "wait_s"} <= row.keys()
     overall = report["latency_us"]
@@ -72,7 +76,19 @@ def assert_contract_shape(report: dict, world_size: int) -> None:
     assert 0 < overall["p50"] <= overall["p90"] <= overall["p99"] <= overall["max"]
     assert [row["rank"] for row in report["latency_us_per_rank"]] == list(range(world_size))
     assert report["world_size"] == world_size and report["backend"] == "gloo"
-    assert report["collectives"] == []
+    assert [row["collective"] for row in report["collectives"]] == list(collectives)
+
+
+def test_one_ranks_collectives_say_na_for_bandwidth_and_why(capsys):
+    from ddpcli.cli.barrier import show_collectives
+
+    row = {"collective": "broadcast", "size_bytes": 1 << 20, "count": 1 << 18, "iters": 9,
+           "time_us": 0.02, "algbw_GBps": None, "busbw_GBps": None}  # fmt: skip
+    show_collectives({"world_size": 1, "collectives": [row]})
+    shown = capsys.readouterr().err
+    table_row = next(line for line in shown.splitlines() if "broadcast" in line)
+    assert table_row.count("n/a") == 2 and "1 MiB" in table_row
+    assert "bandwidth n/a: a collective of one rank moves no data" in " ".join(shown.split())
 
 
 def test_human_report_has_table_timeline_and_latency():

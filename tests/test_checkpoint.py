@@ -258,12 +258,12 @@ def test_malicious_checkpoint_is_refused_and_nothing_runs(tmp_path, command):
     assert not (tmp_path / "out.pt").exists()
 
 
-def test_malicious_checkpoint_refused_by_the_real_cli_and_by_train_resume(tmp_path):
+def test_malicious_checkpoint_refused_by_the_real_cli_and_by_train_resume(tmp_path, in_process):
     path, marker = malicious_checkpoint(tmp_path)
     inspect = run_cli("checkpoint", "inspect", str(path), timeout=60)
     assert inspect.returncode == 2, inspect.stderr
     assert inspect.stderr.count("\n") == 1 and "refused" in inspect.stderr
-    train = run_cli("train", *TINY_TRAIN, "--out", str(tmp_path / "run"), "--resume", str(path))
+    train = in_process("train", *TINY_TRAIN, "--out", str(tmp_path / "run"), "--resume", str(path))
     assert train.returncode == 2, train.stderr[-2000:]
     assert "refused" in train.stderr and "Traceback" not in train.stderr
     assert not marker.exists()
@@ -582,24 +582,38 @@ def test_verify_builds_a_custom_model_with_its_model_args(tmp_path, monkeypatch)
     }
 
 
-@pytest.mark.parametrize(
-    ("arch", "hint"),
-    [
-        ("mods:tiny", "from mods import tiny; tiny(num_classes=10, width=4).load_state_dict("),
-        ("mods.py:tiny", "from mods import tiny; tiny(num_classes=10, width=4).load_state_dict("),
-        ("{folder}/mods.py:tiny", "tiny = runpy.run_path('{folder}/mods.py')['tiny']; tiny("),
-    ],
-)
-def test_convert_of_a_custom_model_prints_a_python_line_that_loads_it(tmp_path, arch, hint):
-    arch, hint = arch.format(folder=tmp_path), hint.format(folder=tmp_path)
-    path, out = custom_checkpoint(tmp_path, arch), tmp_path / "weights.pt"
-    result = invoke("checkpoint", "convert", str(path), str(out), "--json")
-    assert result.exit_code == 0, result.stderr
-    line = json.loads(result.stdout)["load_hint"]
-    assert hint in line
+CUSTOM_ARCHS = {
+    "mods:tiny": "from mods import tiny; tiny(num_classes=10, width=4).load_state_dict(",
+    "mods.py:tiny": "from mods import tiny; tiny(num_classes=10, width=4).load_state_dict(",
+    "{folder}/mods.py:tiny": "tiny = runpy.run_path('{folder}/mods.py')['tiny']; tiny(",
+}
+# Each load line run from its own folder, as a user would paste it there, in one fresh
+# interpreter for all (an interpreter importing torch for each costs seconds): `mods` is
+# forgotten between folders, and the working folder is the first place imports look.
+RUN_EACH_LINE = """
+import os, sys
+for folder, line in {lines!r}:
+    os.chdir(folder)
+    sys.modules.pop("mods", None)
+    exec("import torch; " + line, {{}})
+"""
+
+
+def test_convert_of_a_custom_model_prints_a_python_line_that_loads_it(tmp_path):
+    lines = []
+    for number, (arch, hint) in enumerate(CUSTOM_ARCHS.items()):
+        folder = tmp_path / f"project{number}"
+        folder.mkdir()
+        arch, hint = arch.format(folder=folder), hint.format(folder=folder)
+        path, out = custom_checkpoint(folder, arch), folder / "weights.pt"
+        result = invoke("checkpoint", "convert", str(path), str(out), "--json")
+        assert result.exit_code == 0, result.stderr
+        line = json.loads(result.stdout)["load_hint"]
+        assert hint in line
+        lines.append((str(folder), line))
     loads = subprocess.run(
-        [sys.executable, "-c", f"import torch; {line}"], cwd=tmp_path, capture_output=True,
-        text=True, timeout=60,
+        [sys.executable, "-c", RUN_EACH_LINE.format(lines=lines)], cwd=tmp_path,
+        capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert loads.returncode == 0, loads.stderr[-2000:]
 
@@ -635,10 +649,10 @@ def test_resume_says_when_it_cannot_check_the_digest(tmp_path, capsys, sidecar):
     assert ("no last.pt.sha256" if sidecar == "deleted" else "holds no SHA-256") in warning
 
 
-def test_resume_refuses_non_finite_optimizer_state_without_a_digest(tmp_path):
+def test_resume_refuses_non_finite_optimizer_state_without_a_digest(tmp_path, in_process):
     last = last_checkpoint(tmp_path, with_momentum(training_payload(), float("nan")))
     sha256_path(last).unlink()
-    result = run_cli("train", *TINY_TRAIN, "--out", str(tmp_path / "run"), "--resume", "auto")
+    result = in_process("train", *TINY_TRAIN, "--out", str(tmp_path / "run"), "--resume", "auto")
     assert result.returncode == 2, result.stderr[-2000:]
     lines = result.stderr.strip().splitlines()
     (warning,) = [line for line in lines if line.startswith("warning: cannot check")]
@@ -648,8 +662,8 @@ def test_resume_refuses_non_finite_optimizer_state_without_a_digest(tmp_path):
     assert "Traceback" not in result.stderr
 
 
-def test_resume_with_another_optimizer_is_exit_2_naming_both(tmp_path, saved):
-    result = run_cli(
+def test_resume_with_another_optimizer_is_exit_2_naming_both(tmp_path, saved, in_process):
+    result = in_process(
         "train", *TINY_TRAIN, "--out", str(tmp_path / "run"), "--resume", str(saved),
         "--optimizer", "adamw",
     )  # fmt: skip
@@ -742,11 +756,11 @@ def test_a_run_whose_disk_fills_at_its_first_save_says_so(tmp_path):
 # --- --init-from weights that are not finite (34.25) ------------------------------------------
 
 
-def test_init_from_refuses_weights_that_hold_nan(tmp_path):
+def test_init_from_refuses_weights_that_hold_nan(tmp_path, in_process):
     weights = training_payload()["model"]
     weights["features.0.0.weight"][0, 0, 0, 0] = float("nan")
     torch.save(weights, tmp_path / "nan.pt")
-    result = run_cli(
+    result = in_process(
         "train", *TINY_TRAIN, "--out", str(tmp_path / "run"), "--init-from",
         str(tmp_path / "nan.pt"), "--dry-run",
     )  # fmt: skip

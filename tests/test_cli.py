@@ -53,8 +53,8 @@ def test_bad_train_input_is_answered_before_torch_loads(args, named):
     assert named in result.stderr and "Traceback" not in result.stderr
 
 
-def test_help_lists_the_four_commands():
-    result = run_cli("--help", timeout=60)
+def test_help_lists_the_four_commands(in_process):
+    result = in_process("--help")
     for command in ("train", "bench-barrier", "check-env", "checkpoint", "plot"):
         assert command in result.stdout
 
@@ -76,29 +76,29 @@ BAD_INPUT = {
 
 
 @pytest.mark.parametrize("case", BAD_INPUT, ids=str)
-def test_bad_input_exits_2_with_a_clear_line(case, tmp_path):
+def test_bad_input_exits_2_with_a_clear_line(case, tmp_path, in_process):
     args, names = BAD_INPUT[case]
-    result = run_cli("train", *args, "--out", str(tmp_path / "out"), timeout=60)
+    result = in_process("train", *args, "--out", str(tmp_path / "out"))
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr + result.stdout
     assert names in result.stderr
     assert not (tmp_path / "out").exists()  # nothing started, nothing written
 
 
-def test_unreadable_recipe_is_exit_2(tmp_path):
+def test_unreadable_recipe_is_exit_2(tmp_path, in_process):
     recipe = tmp_path / "bad.toml"
     recipe.write_text("epochs = [unclosed\n")
-    result = run_cli("train", "--recipe", str(recipe), "--dry-run", timeout=60)
+    result = in_process("train", "--recipe", str(recipe), "--dry-run")
     assert result.returncode == 2
     assert "not readable TOML" in result.stderr
 
 
-def test_recipe_gives_defaults_and_flags_override(tmp_path):
+def test_recipe_gives_defaults_and_flags_override(tmp_path, in_process):
     recipe = tmp_path / "r.toml"
     recipe.write_text('[train]\nepochs = 7\nper-gpu-batch = 8\narch = "tinycnn"\n')
-    result = run_cli(
+    result = in_process(
         "train", "--recipe", str(recipe), "--epochs", "3", "--cpu", "--nproc", "3",
-        "--accumulate", "2", "--dry-run", "--json", timeout=60,
+        "--accumulate", "2", "--dry-run", "--json",
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     config = json.loads(result.stdout)
@@ -109,10 +109,10 @@ def test_recipe_gives_defaults_and_flags_override(tmp_path):
     assert config["global_batch"] == 8 * 3 * 2
 
 
-def test_unknown_recipe_key_is_named(tmp_path):
+def test_unknown_recipe_key_is_named(tmp_path, in_process):
     recipe = tmp_path / "r.toml"
     recipe.write_text("epochz = 3\n")
-    result = run_cli("train", "--recipe", str(recipe), "--dry-run", timeout=60)
+    result = in_process("train", "--recipe", str(recipe), "--dry-run")
     assert result.returncode == 2
     assert "--epochz" in result.stderr and "not a known setting" in result.stderr
 
@@ -214,11 +214,12 @@ def test_train_help_shows_each_default_and_the_choices():
 
     for name in TrainConfig.model_fields:
         flag = FLAG_SPELLINGS.get(name, f"--{name.replace('_', '-')}")
-        # peak_lr, world_from, precision_reason, requested_accumulate, wandb_offline: resolved,
-        # not given; min_nnodes: the MIN of --nnodes MIN:MAX; the others: debugging variables
+        # peak_lr, world_from, precision_reason, requested_accumulate, wandb_offline,
+        # resume_checked: resolved, not given; min_nnodes: the MIN of --nnodes MIN:MAX; the
+        # others: debugging variables
         settings = name not in (
             "trace_samples", "slow_data", "peak_lr", "world_from", "min_nnodes", "precision_reason",
-            "requested_accumulate", "wandb_offline",
+            "requested_accumulate", "wandb_offline", "resume_checked",
         )  # fmt: skip
         if settings and flag not in flags_without_value:
             assert "[default: " in option_row(lines, flag), flag
@@ -345,10 +346,10 @@ def test_a_recipe_setting_that_would_be_ignored_or_ambiguous_is_exit_2(tmp_path,
     assert refused.value.message.startswith("invalid --recipe:") and words in refused.value.message
 
 
-def test_a_binary_recipe_is_exit_2_naming_the_flag(tmp_path):
+def test_a_binary_recipe_is_exit_2_naming_the_flag(tmp_path, in_process):
     recipe = tmp_path / "model.pt"
     recipe.write_bytes(b"PK\x03\x04\x14\x00\x00\x00\x08\x00\xff\xfe\x80\x81" * 16)
-    result = run_cli("train", "--recipe", str(recipe), "--dry-run", timeout=60)
+    result = in_process("train", "--recipe", str(recipe), "--dry-run")
     assert result.returncode == 2, result.stderr
     assert "invalid --recipe:" in result.stderr and "not a text file" in result.stderr
     assert "UnicodeDecodeError" not in result.stderr
@@ -397,9 +398,9 @@ def test_a_timeout_below_a_second_is_exit_2(timeout):
     assert refused.value.message.startswith("invalid --timeout: at least 1 s")
 
 
-def test_overwrite_is_a_setting_with_its_no_form(tmp_path):
-    result = run_cli(
-        "train", "--cpu", "--overwrite", "--out", str(tmp_path), "--dry-run", "--json", timeout=60
+def test_overwrite_is_a_setting_with_its_no_form(tmp_path, in_process):
+    result = in_process(
+        "train", "--cpu", "--overwrite", "--out", str(tmp_path), "--dry-run", "--json"
     )
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["overwrite"] is True
@@ -442,8 +443,8 @@ def test_a_non_finite_number_is_refused_by_every_command(command, field, value):
     assert refused.value.message == f"invalid {flag}: must be a finite number (got {value!r})"
 
 
-def test_lr_inf_on_the_command_line_is_exit_2_in_one_line(tmp_path):
-    result = run_cli("train", "--cpu", "--lr", "inf", "--dry-run", timeout=60)
+def test_lr_inf_on_the_command_line_is_exit_2_in_one_line(in_process):
+    result = in_process("train", "--cpu", "--lr", "inf", "--dry-run")
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip() == "error: invalid --lr: must be a finite number (got inf)"
 

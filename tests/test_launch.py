@@ -81,12 +81,6 @@ SURVIVOR_SAYS = {
 }
 
 
-def run_in(folder: Path, *args: str, timeout: float = 60, path: str = ""):
-    """`ddpcli ARGS` run from FOLDER, with this checkout's ddpcli importable."""
-    env = {"PYTHONPATH": f"{path}:{REPO}" if path else str(REPO)}
-    return run_cli(*args, env=env, timeout=timeout, cwd=folder)
-
-
 def write_script(folder: Path, name: str, body: str) -> Path:
     path = folder / name
     path.write_text(textwrap.dedent(body))
@@ -127,30 +121,34 @@ def reported_ranks(stdout: str) -> list[str]:
     return sorted(re.findall(r"rank \d/\d(?= local \d of \d sum 1 )", stdout))
 
 
-@pytest.mark.parametrize(
-    "flags",
-    [["--nproc", "2"], ["--nproc-per-node=2", "--standalone"], ["--nproc_per_node", "2"]],
-    ids=["ddpcli", "torchrun-dashes", "torchrun-underscores"],
-)
-def test_a_script_runs_as_one_world_of_two(tmp_path, flags):
+def test_a_script_runs_as_one_world_of_two(tmp_path):
     script = write_script(tmp_path, "all_reduce.py", ALL_REDUCE)
-    result = run_cli("launch", *flags, str(script), "--lr", "0.1", "-x", timeout=180)
+    result = run_cli("launch", "--nproc", "2", str(script), "--lr", "0.1", "-x", timeout=180)
     assert result.returncode == 0, result.stderr[-3000:]
     assert reported_ranks(result.stdout) == ["rank 0/2", "rank 1/2"], result.stdout
     assert "of 2 sum 1 args ['--lr', '0.1', '-x']" in result.stdout  # the script's, untouched
     assert_none_left(str(script))
 
 
-def test_a_module_runs_with_dash_m(tmp_path):
-    package = tmp_path / "mypkg"
-    package.mkdir()
-    (package / "__init__.py").write_text("")
-    write_script(package, "job.py", ALL_REDUCE)
-    args = ["launch", "--nproc", "2", "-m", "mypkg.job", "--epochs", "1"]
-    result = run_in(tmp_path, *args, timeout=180, path=str(tmp_path))
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert reported_ranks(result.stdout) == ["rank 0/2", "rank 1/2"], result.stdout
-    assert "args ['--epochs', '1']" in result.stdout
+@pytest.mark.parametrize(
+    "flags",
+    [["--nproc-per-node=2", "--standalone"], ["--nproc_per_node", "2"]],
+    ids=["torchrun-dashes", "torchrun-underscores"],
+)
+def test_torchrun_spellings_launch_the_same_world(tmp_path, in_process, monkeypatch, flags):
+    """What torchrun's spellings start is what --nproc 2 starts (run for real above, and
+    with --standalone in test_torchrun_flags_run_a_script_and_standalone_keeps_its_port)."""
+    launched = []
+    monkeypatch.setattr(
+        "ddpcli.launcher.scriptlaunch.launch_script", lambda cfg, debug: launched.append(cfg)
+    )
+    write_script(tmp_path, "all_reduce.py", ALL_REDUCE)
+    for given in (["--nproc", "2"], flags):
+        result = in_process("launch", *given, "all_reduce.py", "--lr", "0.1", "-x", cwd=tmp_path)
+        assert result.returncode == 0, result.stderr
+    ours, torchruns = launched
+    assert torchruns.nproc_per_node == ours.nproc_per_node == 2
+    assert torchruns.script_args == ours.script_args == ["--lr", "0.1", "-x"]
 
 
 @pytest.mark.parametrize("failure", sorted(FAILURES))
@@ -285,21 +283,21 @@ def test_an_error_recorded_outside_its_except_block_keeps_its_words(tmp_path, mo
         (["--nnodes", "3:2", "x.py"], "invalid --nnodes: MIN:MAX needs 1 <= MIN <= MAX"),
     ],
 )
-def test_bad_input_is_refused_before_any_worker_starts(tmp_path, args, message):
+def test_bad_input_is_refused_before_any_worker_starts(tmp_path, in_process, args, message):
     (tmp_path / "x.py").write_text("raise SystemExit('must not run')\n")
-    result = run_in(tmp_path, "launch", *args)
+    result = in_process("launch", *args, cwd=tmp_path)
     assert result.returncode == 2, result.stderr[-3000:]
     assert message in result.stderr
     assert "Traceback" not in result.stderr and "must not run" not in result.stderr
 
 
-def test_a_taken_master_port_is_refused(tmp_path):
+def test_a_taken_master_port_is_refused(tmp_path, in_process):
     (tmp_path / "x.py").write_text("raise SystemExit('must not run')\n")
     with socket.socket() as taken:
         taken.bind(("", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        result = run_in(tmp_path, "launch", "--master-port", str(port), "x.py")
+        result = in_process("launch", "--master-port", str(port), "x.py", cwd=tmp_path)
     assert result.returncode == 2, result.stderr[-3000:]
     assert f"invalid --master-port: {port} is in use" in result.stderr
 
@@ -467,17 +465,17 @@ def test_restarted_workers_meet_again_and_a_finished_script_exits_0(tmp_path):
         (["--numa-binding=node"], "--numa-binding"),
     ],
 )
-def test_torchrun_flags_it_does_not_support_are_named_as_such(tmp_path, flags, named):
+def test_torchrun_flags_it_does_not_support_are_named_as_such(tmp_path, in_process, flags, named):
     (tmp_path / "x.py").write_text("raise SystemExit('must not run')\n")
-    result = run_in(tmp_path, "launch", "--nproc", "2", *flags, "x.py")
+    result = in_process("launch", "--nproc", "2", *flags, "x.py", cwd=tmp_path)
     assert result.returncode == 2, result.stderr[-3000:]
     assert f"{named} is a torchrun flag that ddpcli launch does not support" in result.stderr
     assert "invalid SCRIPT" not in result.stderr and "must not run" not in result.stderr
 
 
-def test_an_unknown_flag_before_the_script_is_named(tmp_path):
+def test_an_unknown_flag_before_the_script_is_named(tmp_path, in_process):
     (tmp_path / "x.py").write_text("raise SystemExit('must not run')\n")
-    result = run_in(tmp_path, "launch", "--nproc", "2", "--bogus", "x.py")
+    result = in_process("launch", "--nproc", "2", "--bogus", "x.py", cwd=tmp_path)
     assert result.returncode == 2, result.stderr[-3000:]
     assert "no such option: --bogus" in result.stderr
     assert "invalid SCRIPT" not in result.stderr
@@ -554,13 +552,15 @@ def test_torchrun_flags_run_a_script_and_standalone_keeps_its_port(tmp_path):
     assert f"rank 1 port {port}" in logs["1"], logs
 
 
-def test_standalone_with_a_taken_master_port_is_refused(tmp_path):
+def test_standalone_with_a_taken_master_port_is_refused(tmp_path, in_process):
     (tmp_path / "x.py").write_text("raise SystemExit('must not run')\n")
     with socket.socket() as taken:
         taken.bind(("", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        result = run_in(tmp_path, "launch", "--standalone", "--master-port", str(port), "x.py")
+        result = in_process(
+            "launch", "--standalone", "--master-port", str(port), "x.py", cwd=tmp_path
+        )
     assert result.returncode == 2, result.stderr[-3000:]
     assert f"invalid --master-port: {port} is in use" in result.stderr
 
@@ -596,9 +596,9 @@ def test_a_rank_that_ends_early_is_named_not_another_node(tmp_path):
 
 
 @pytest.mark.parametrize("log_dir", ["x.py", "x.py/logs"])
-def test_a_log_dir_that_cannot_be_written_exits_2(tmp_path, log_dir):
+def test_a_log_dir_that_cannot_be_written_exits_2(tmp_path, in_process, log_dir):
     (tmp_path / "x.py").write_text("raise SystemExit('must not run')\n")
-    result = run_in(tmp_path, "launch", "--nproc", "2", "--log-dir", log_dir, "x.py")
+    result = in_process("launch", "--nproc", "2", "--log-dir", log_dir, "x.py", cwd=tmp_path)
     assert result.returncode == 2, result.stderr[-3000:]
     assert f"invalid --log-dir: cannot write in {log_dir}: x.py is a file" in result.stderr
     assert "Traceback" not in result.stderr
@@ -672,9 +672,9 @@ def test_a_module_and_a_folder_run_from_the_working_folder(tmp_path):
         assert "args ['--epochs', '1']" in result.stdout
 
 
-def test_a_folder_without_main_is_refused(tmp_path):
+def test_a_folder_without_main_is_refused(tmp_path, in_process):
     (tmp_path / "app").mkdir()
-    result = run_in(tmp_path, "launch", "--nproc", "2", "app")
+    result = in_process("launch", "--nproc", "2", "app", cwd=tmp_path)
     assert result.returncode == 2, result.stderr[-3000:]
     assert "invalid SCRIPT: app is a folder without __main__.py" in result.stderr
 

@@ -75,7 +75,7 @@ def test_the_nodes_of_one_job_share_the_folder_and_no_one_else_does(tmp_path):
         node0.release()
 
 
-def test_the_launcher_holds_the_lock_and_its_workers_read_a_private_config(tmp_path):
+def test_the_launcher_holds_the_lock_and_its_workers_read_a_private_config(tmp_path, in_process):
     """A second run into a folder in use exits 2 at once, naming the first; the first's
     workers read their config from a folder of the launch's own, not from --out (where a
     second run would rewrite it before they read it)."""
@@ -83,7 +83,7 @@ def test_the_launcher_holds_the_lock_and_its_workers_read_a_private_config(tmp_p
     args = [*TINY, "--per-gpu-batch", "16", "--synthetic-size", "8192", "--epochs", "5"]
     with Background("train", *args, "--log-every", "1", "--out", str(out)) as first:
         first.wait_for("epoch 1/5 step 2/")
-        second = run_cli("train", *SHORT_RUN, "--out", str(out), timeout=90)
+        second = in_process("train", *SHORT_RUN, "--out", str(out))
         workers = child_workers(first.process.pid)
     assert second.returncode == 2, second.stderr[-2000:]
     assert f"pid {first.process.pid} on " in second.stderr, second.stderr
@@ -131,9 +131,9 @@ def test_overwrite_and_resume_auto_exclude_each_other():
         TrainConfig(overwrite=True, resume="auto")
 
 
-def test_the_cli_refuses_an_earlier_run_before_any_worker_starts(tmp_path):
+def test_the_cli_refuses_an_earlier_run_before_any_worker_starts(tmp_path, in_process):
     earlier_run(tmp_path)
-    result = run_cli("train", *SHORT_RUN, "--out", str(tmp_path), timeout=90)
+    result = in_process("train", *SHORT_RUN, "--out", str(tmp_path))
     assert result.returncode == 2, result.stderr[-2000:]
     assert "already holds a run (2 of 4 epochs done, best val acc 20.00%" in result.stderr
     assert "Traceback" not in result.stderr
@@ -179,11 +179,11 @@ def test_every_rank_under_an_outside_launcher_is_admitted(tmp_path):
 # --- 4. Folders that cannot be written -----------------------------------------------------
 
 
-def test_an_out_or_log_dir_that_is_a_file_is_exit_2(tmp_path):
+def test_an_out_or_log_dir_that_is_a_file_is_exit_2(tmp_path, in_process):
     a_file = tmp_path / "file"
     a_file.write_text("")
     for flag in ("--out", "--log-dir"):
-        result = run_cli("train", "--cpu", flag, str(a_file / "run"), "--dry-run", timeout=60)
+        result = in_process("train", "--cpu", flag, str(a_file / "run"), "--dry-run")
         assert result.returncode == 2, result.stderr
         assert f"invalid {flag}:" in result.stderr and f"{a_file} is a file" in result.stderr
         assert "Traceback" not in result.stderr and "unexpected" not in result.stderr

@@ -7,6 +7,7 @@ variables, a URL's user:password@) are never printed or saved."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import socket
 import threading
@@ -297,3 +298,66 @@ def test_a_urls_password_is_kept_only_for_the_workers():
     saved = cfg.model_dump_json()
     assert "pa55word" not in saved and '"https://***@data.example.org/x"' in saved
     assert "alice:pa55word@" in cfg.model_dump_json(context={WITH_CREDENTIALS: True})
+
+
+# --- No request to the instance-metadata endpoint off EC2 --------------------------------------
+
+
+@pytest.fixture
+def no_aws_credentials(monkeypatch, tmp_path):
+    """A laptop's shell: no AWS variables, no ~/.aws files, no s3fs connection cached by an
+    earlier test, and AWS_EC2_METADATA_DISABLED as this process had it again afterwards."""
+    import s3fs
+
+    for name in [name for name in os.environ if name.startswith("AWS_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "")  # recorded, so the fix's value goes
+    monkeypatch.delenv("AWS_EC2_METADATA_DISABLED")
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-config"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-credentials"))
+    s3fs.S3FileSystem.clear_instance_cache()
+    yield
+    s3fs.S3FileSystem.clear_instance_cache()
+
+
+def test_without_credentials_s3_is_exit_2_at_once_and_never_asks_the_metadata_endpoint(
+    no_aws_credentials, monkeypatch
+):
+    """Off EC2 botocore's search for credentials skips the instance-metadata endpoint (a
+    laptop would wait for its timeout): a listening stand-in for it is never connected to."""
+    from ddpcli.data.shards import storage
+
+    monkeypatch.setattr(storage, "on_ec2", lambda: False)
+    with socket.create_server(("127.0.0.1", 0)) as metadata:
+        metadata.setblocking(False)
+        monkeypatch.setenv(
+            "AWS_EC2_METADATA_SERVICE_ENDPOINT", f"http://127.0.0.1:{metadata.getsockname()[1]}"
+        )
+        started = time.monotonic()
+        result = invoke("data", "verify", "s3://some-bucket/shards")
+        took = time.monotonic() - started
+        with pytest.raises(BlockingIOError):
+            metadata.accept()  # nobody knocked
+    assert result.returncode == 2
+    assert "Unable to locate credentials" in one_line(result)
+    assert took < 10
+    assert os.environ["AWS_EC2_METADATA_DISABLED"] == "true"
+
+
+def test_the_metadata_endpoint_stays_on_ec2_and_where_the_user_says(
+    no_aws_credentials, monkeypatch
+):
+    from botocore.utils import IMDSFetcher
+
+    from ddpcli.data.shards import storage
+
+    monkeypatch.setattr(storage, "on_ec2", lambda: False)
+    storage.url_filesystem("s3")
+    assert IMDSFetcher()._disabled  # what botocore reads: off
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "false")  # the user's own word stands
+    storage.url_filesystem("s3")
+    assert not IMDSFetcher()._disabled
+    monkeypatch.delenv("AWS_EC2_METADATA_DISABLED")
+    monkeypatch.setattr(storage, "on_ec2", lambda: True)  # an instance's role is its credentials
+    storage.url_filesystem("s3")
+    assert "AWS_EC2_METADATA_DISABLED" not in os.environ

@@ -1,12 +1,16 @@
 """`ddpcli train --dataset shards`: an epoch planned from the index alone, streamed by every
 rank's loader workers, each sample once; stopped mid-epoch at 3 ranks and resumed at 2 from
-the checkpoint's stream position, each sample still once; the bad inputs said in one line."""
+the checkpoint's stream position, each sample still once; an elastic host that joins, then
+is lost inside an epoch, the other going on alone, each sample still once; the bad inputs
+said in one line."""
 
 from __future__ import annotations
 
 import gc
 import io
+import itertools
 import json
+import re
 import sys
 import tarfile
 import time
@@ -24,6 +28,7 @@ from conftest import (
     traced_counts,
     write_noise_folder,
 )
+from test_faults import assert_no_worker_left, descendants, kill_pid
 
 from ddpcli.checkpoint.loading import safe_load
 from ddpcli.data.shards.index import (
@@ -197,19 +202,24 @@ def test_stopped_at_3_ranks_and_resumed_at_2_each_sample_once(packed, tmp_path):
     assert {m["val_samples"] for m in metrics} == {36}  # every val sample once, unpadded
 
 
-def test_a_host_joining_mid_epoch_changes_the_world_and_each_sample_is_still_trained_once(
-    packed, tmp_path
-):
+def test_a_host_joining_then_lost_mid_epoch_and_each_sample_is_still_trained_once(packed, tmp_path):
     """Elastic membership (`--nnodes 1:2`): a host trains alone (slowed, so that the second
     arrives mid-run); the second joins, the first stops at an agreed step and saves its stream
-    position, and both go on as a world of 2 from it. Every epoch still trains each sample
-    exactly once (a lost host restarts the same way, from the last checkpoint's position)."""
+    position, and both go on as a world of 2 from it. Inside an epoch, after the world of 2
+    saved in it (every 2 steps), the second host is lost (every process of it SIGKILLed): the
+    first restarts alone from that checkpoint's stream position. Each epoch trains each sample
+    exactly once: the batches the lost world handed out after that checkpoint are the only
+    ones trained again (and a join after the first host's last but one micro-batch of an
+    epoch leaves that epoch's last 2 or 3 out, as the resume says). The join comes in epoch 1
+    or 2, wherever the second host's start takes it: each trace record says its world, and
+    the accounting reads the rounds from them, not from the timing."""
     out, trace, endpoint = tmp_path / "run", tmp_path / "trace", f"127.0.0.1:{free_port()}"
     command = [
         sys.executable, "-m", "ddpcli", "train", "--cpu", "--arch", "tinycnn", "--image-size",
-        "16", "--per-gpu-batch", "2", "--epochs", "3", "--log-every", "2", "--skip-bad-images",
+        "16", "--per-gpu-batch", "2", "--epochs", "3", "--log-every", "1", "--skip-bad-images",
         "--shuffle-buffer", "3", "--data-dir", str(packed), "--nproc", "1", "--nnodes", "1:2",
-        "--rdzv-endpoint", endpoint, "--timeout", "60", "--out", str(out),
+        "--rdzv-endpoint", endpoint, "--timeout", "60", "--max-restarts", "1",
+        "--save-every-steps", "2", "--out", str(out),
     ]  # fmt: skip
     env = {**clean_env(), "DDPCLI_TRACE_SAMPLES": str(trace), "DDPCLI_SLOW_DATA": "0:0.25"}
     first = LiveProcess(command, env)
@@ -217,20 +227,109 @@ def test_a_host_joining_mid_epoch_changes_the_world_and_each_sample_is_still_tra
     try:
         first.wait_for("epoch 1/3 step", timeout=150)
         second = LiveProcess(command, env)
-        deadline = time.monotonic() + 180
-        codes = [node.finish(deadline - time.monotonic()) for node in (first, second)]
+        wait_for_the_pair_inside_an_epoch(first, timeout=150)
+        lose_host(second)
+        codes = [first.finish(180)]
     finally:
         for node in (first, second):
             if node is not None:
+                lose_host(node)
                 node.kill()
-    logs = f"{first.stderr[-2500:]}\n---\n{second.stderr[-1500:]}"
-    assert codes == [0, 0], logs
+    resumes = "".join(line for line in first.lines if "resume" in line)  # what each round took
+    logs = f"{resumes}...\n{first.stderr[-3000:]}\n---\n{second.stderr[-1500:]}"
+    assert codes == [0], logs
+    assert_no_worker_left(out)
     assert "a new round of the job: resuming from the last checkpoint" in first.stderr, logs
-    assert "dealt from the saved stream position over 2 ranks" in first.stderr, logs
+    lost = re.search(
+        r"epoch (\d): (\d+) of 35 samples trained before the resume; the other \d+ dealt from "
+        r"the saved stream position over 1 ranks",
+        first.stderr,
+    )
+    assert lost, logs
+    lost_epoch, resumed = int(lost[1]) - 1, int(lost[2])
     good = Counter(sorted(set(all_numbers(packed)) - {bad_number(packed)}))
-    for epoch in range(3):
-        assert traced_counts(trace, 2, epoch) == good, (epoch, logs)
-    assert [m["world_size"] for m in read_metrics(out)][-1] == 2, logs
+    for epoch in set(range(3)) - {lost_epoch}:  # once each: all of them where none is left out
+        counts = traced_counts(trace, 2, epoch)
+        assert set(counts.values()) == {1} and counts.keys() <= good.keys(), (epoch, logs)
+        assert counts.total() == 35 - left_out(first.stderr, epoch), (epoch, logs)
+    assert kept_in_epoch(trace, lost_epoch, resumed, batch=2) == good, (lost_epoch, logs)
+    # The survivor ends every epoch from the one it restarted in.
+    worlds = [m["world_size"] for m in read_metrics(out)]
+    assert len(worlds) == 3 and worlds[lost_epoch:] == [1] * (3 - lost_epoch), logs
+
+
+# The world of 2's progress lines (a world of 1 runs 17 micro-batches an epoch), and the
+# join's resume line where the join came inside an epoch: the world of 2 trains B of it.
+PAIR_STEP = re.compile(r"^epoch (\d)/3 step (\d+)/8 ", re.MULTILINE)
+JOINED_INSIDE = re.compile(
+    r"epoch (\d): \d+ of 35 samples trained before the resume; the other \d+ dealt from the "
+    r"saved stream position over 2 ranks x 1 streams, (\d+) batches"
+)
+
+
+def wait_for_the_pair_inside_an_epoch(node: LiveProcess, timeout: float) -> None:
+    """Until the world of 2 has trained 3 micro-batches of an epoch with 2 or more to go: the
+    save at its first or second step is complete (both ranks went on past it), and a host
+    lost now is lost inside the epoch, not at its end. It trains 8 of an epoch it starts,
+    B of the one it joined inside."""
+    deadline = time.monotonic() + timeout
+    while not pair_inside_an_epoch(node.stderr):
+        if node.process.poll() is not None or time.monotonic() > deadline:
+            raise AssertionError(f"the world of 2 never trained inside an epoch:\n{node.stderr}")
+        time.sleep(0.05)
+
+
+def pair_inside_an_epoch(log: str) -> bool:
+    joined = JOINED_INSIDE.search(log)
+    for epoch, step in PAIR_STEP.findall(log):
+        in_epoch = int(joined[2]) if joined and joined[1] == epoch else 8
+        if 3 <= int(step) <= in_epoch - 2:
+            return True
+    return False
+
+
+def left_out(log: str, epoch: int) -> int:
+    """Samples of EPOCH that no rank trains, as the resume says: a join after the first
+    host's last but one micro-batch leaves its last one's 2 or 3, too few for a batch of 2
+    on each of 2 ranks (docs/checkpoints.md: the least a training batch holds)."""
+    said = re.search(
+        rf"epoch {epoch + 1}: \d+ of 35 samples trained before the resume; the other (\d+) "
+        r"left out \(too few for a batch of 2 on each of 2 ranks",
+        log,
+    )
+    return int(said[1]) if said else 0
+
+
+def lose_host(node: LiveProcess) -> None:
+    """Every process of NODE (its agent, fork server, ranks and their loader workers) killed
+    at once, as when a machine is lost: all found before any is killed (an orphan is no
+    longer found as a descendant)."""
+    for pid in [node.process.pid, *descendants(node.process.pid)]:
+        kill_pid(pid)
+
+
+def kept_in_epoch(trace: Path, epoch: int, resumed: int, batch: int) -> Counter:
+    """EPOCH's samples as the job kept them, where the survivor restarted inside it from a
+    checkpoint that held RESUMED of its samples. Each record says its world: rank 0's of the
+    epoch are the first host's alone (world 1; none where the join came before the epoch),
+    then the world of 2's, then the survivor's (world 1); rank 1's are all the world of 2's.
+    The checkpoint held the first host's and the world of 2's first (RESUMED - the first
+    host's) / (2 x BATCH) batches on each rank: its later ones were handed out after it,
+    lost with the host, and trained again by the survivor."""
+    rank_0, rank_1 = (traced_records(trace, rank, epoch) for rank in (0, 1))
+    runs = [list(run) for _, run in itertools.groupby(rank_0, key=lambda r: r["world"])]
+    worlds = [run[0]["world"] for run in runs]
+    assert worlds in ([1, 2, 1], [2, 1]), worlds
+    alone, pair, survivor = runs if len(runs) == 3 else [[], *runs]
+    saved, rest = divmod(resumed - sum(len(record["indices"]) for record in alone), 2 * batch)
+    assert rest == 0 and saved <= min(len(pair), len(rank_1)), (resumed, runs, rank_1)
+    kept = alone + pair[:saved] + rank_1[:saved] + survivor
+    return Counter(n for record in kept for n in record["indices"])
+
+
+def traced_records(trace: Path, rank: int, epoch: int) -> list[dict]:
+    lines = trace.with_name(f"{trace.name}.rank{rank}").read_text().splitlines()
+    return [record for record in map(json.loads, lines) if record["epoch"] == epoch]
 
 
 def bad_number(out: Path) -> int:

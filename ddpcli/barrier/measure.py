@@ -142,7 +142,6 @@ def measure_collective(bench: BenchRank, cfg: BarrierConfig, name: str, size: in
     per_op = torch.tensor([(clock() - started) / iterations], dtype=torch.float64)
     dist.all_reduce(per_op, group=bench.control)
     seconds = per_op.item() / ctx.world_size
-    bandwidth = bandwidth_gbps(name, moved, seconds, ctx.world_size)
     return {
         "collective": name,
         "size_bytes": moved,
@@ -150,5 +149,14 @@ def measure_collective(bench: BenchRank, cfg: BarrierConfig, name: str, size: in
         "dtype": "float32",
         "iters": iterations,
         "time_us": round(seconds * 1e6, 2),
-        **{key: round(value, 4) for key, value in bandwidth.items()},
+        **collective_bandwidth(name, moved, seconds, ctx.world_size),
     }
+
+
+def collective_bandwidth(name: str, moved: int, seconds: float, world_size: int) -> dict:
+    """nccl-tests' algbw and busbw, rounded; None for one rank, whose collective moves no
+    byte anywhere (a broadcast "at 44 TB/s" is a copy that never happened)."""
+    bandwidth = bandwidth_gbps(name, moved, seconds, world_size)
+    if world_size == 1:
+        return dict.fromkeys(bandwidth)
+    return {key: round(value, 4) for key, value in bandwidth.items()}

@@ -36,6 +36,17 @@ def check_recorded_digest(path: Path) -> dict[str, Any]:
     return status
 
 
+def file_stamp(path: Path) -> str | None:
+    """PATH as it stands: where, how long, when last written, which inode (None: no file
+    there). A file written again or replaced (atomic_save renames a new inode over it) has
+    another stamp."""
+    try:
+        stat = Path(path).stat()
+    except OSError:
+        return None
+    return f"{Path(path).resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{stat.st_ino}"
+
+
 def unchecked_digest_reason(path: Path, status: dict[str, Any]) -> str | None:
     """Why the bytes of PATH cannot be checked against the save's SHA-256, or None."""
     sidecar = sha256_path(path).name

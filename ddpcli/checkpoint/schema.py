@@ -20,6 +20,7 @@ import torch.distributed as dist
 from ddpcli import ui
 from ddpcli.checkpoint.loading import (
     check_recorded_digest,
+    file_stamp,
     iter_tensors,
     listed_briefly,
     load_model_state,
@@ -206,9 +207,14 @@ def checkpoint_kind(payload: Any) -> str:
     return "state-dict" if model_state(payload) is not None else "unknown"
 
 
-def load_training_checkpoint(path: Path, map_location: Any) -> dict[str, Any]:
-    """A checkpoint `--resume` can continue from: safe, uncorrupted, and complete."""
-    payload = safe_load(path, map_location=map_location, check_digest=True)
+def load_training_checkpoint(
+    path: Path, map_location: Any, checked_stamp: str | None = None
+) -> dict[str, Any]:
+    """A checkpoint `--resume` can continue from: safe, uncorrupted, and complete. Its bytes
+    are hashed unless CHECKED_STAMP says the launcher hashed this very file
+    (`with_checked_resume`): reading a large file once more is seconds per rank."""
+    unchanged = checked_stamp is not None and file_stamp(path) == checked_stamp
+    payload = safe_load(path, map_location=map_location, check_digest=not unchanged)
     check_training_payload(payload, path)
     return payload
 
@@ -329,14 +335,21 @@ def resized_for_resume(cfg: TrainConfig, world_size: int) -> TrainConfig:
     return cfg.for_world_change(payload["config"], payload["world_size"], world_size)
 
 
-def check_resume_source(cfg: TrainConfig) -> None:
-    """For the launcher, before any worker starts: a missing, broken, unsafe or damaged
-    `--resume` file is one line and exit 2 at once. What `checkpoint verify` checks is
-    checked here (memory-mapped), and a digest that cannot be checked is said; the
-    workers check the digest again when they load the file for real."""
+def with_checked_resume(cfg: TrainConfig) -> TrainConfig:
+    """CFG once its `--resume` file passed `check_resume_source`, with the file's stamp for
+    the workers: they hash it again only if it is no longer the file checked here."""
+    return cfg.model_copy(update={"resume_checked": check_resume_source(cfg)})
+
+
+def check_resume_source(cfg: TrainConfig) -> str | None:
+    """For the launcher (and a dry run), before any worker starts: a missing, broken, unsafe
+    or damaged `--resume` file is one line and exit 2 at once. What `checkpoint verify`
+    checks is checked here (memory-mapped), and a digest that cannot be checked is said.
+    The stamp of the file checked (None: no file to resume from)."""
     path = find_resume_path(cfg)
     if path is None:
-        return
+        return None
+    stamp = file_stamp(path)  # before any read: a file replaced meanwhile is hashed again
     payload = safe_load(path, lazy=True)
     check_training_payload(payload, path)
     check_same_optimizer(payload, cfg.optimizer, path)
@@ -344,6 +357,7 @@ def check_resume_source(cfg: TrainConfig) -> None:
     if unchecked:
         ui.warn(f"cannot check {path} against its save's SHA-256, resuming anyway: {unchecked}")
     check_finite_payload(payload, path)
+    return stamp
 
 
 def check_finite_payload(payload: dict[str, Any], path: Path) -> None:

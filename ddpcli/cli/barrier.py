@@ -297,18 +297,28 @@ def show_collectives(report: dict) -> None:
     for row in report["collectives"]:
         table.add_row(
             row["collective"],
-            human_bytes(row["size_bytes"]),
+            ui.byte_size(row["size_bytes"]),
             str(row["count"]),
             str(row["iters"]),
             f"{row['time_us']:.1f}",
-            f"{row['algbw_GBps']:.3f}",
-            f"{row['busbw_GBps']:.3f}",
+            bandwidth_text(row["algbw_GBps"]),
+            bandwidth_text(row["busbw_GBps"]),
         )
     ui.console.print(table)
+    if report["world_size"] == 1:
+        ui.info(
+            "bandwidth n/a: a collective of one rank moves no data, so it has no bandwidth (the "
+            "time is the call's own cost); run 2 or more ranks (--nproc, --gpus) to measure it"
+        )
+        return
     ui.info(
         "algbw = size / time; busbw = algbw x 2(n-1)/n for all_reduce, (n-1)/n for "
         "all_gather, 1 for broadcast (n ranks), so figures compare with nccl-tests'"
     )
+
+
+def bandwidth_text(gbps: float | None) -> str:
+    return "n/a" if gbps is None else f"{gbps:.3f}"
 
 
 def titled_table(title: str) -> Table:
@@ -319,10 +329,3 @@ def titled_table(title: str) -> Table:
 
 def rank_count(world_size: int) -> str:
     return f"{world_size} rank" + ("s" if world_size != 1 else "")
-
-
-def human_bytes(size: int) -> str:
-    for unit, factor in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if size >= factor:
-            return f"{size / factor:g} {unit}"
-    return f"{size} B"

@@ -215,7 +215,7 @@ def show_conversion(report: dict[str, Any]) -> None:
     layout = report.get("layout") or report["to"]
     ui.info(
         f"wrote {report['out']}: {layout} of {report['tensors']} tensors "
-        f"({report['parameters']:,} parameters), {human_size(report['size_bytes'])}{weights}"
+        f"({report['parameters']:,} parameters), {ui.byte_size(report['size_bytes'])}{weights}"
     )
     if report.get("ddp_prefix"):
         ui.warn("keys still start with `module.`; add --strip-ddp-prefix for a plain model")
@@ -234,14 +234,6 @@ def check_words(report: dict[str, Any]) -> str:
 
 
 # --- Showing reports ----------------------------------------------------------------------
-
-
-def human_size(size: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if size < 1024 or unit == "GB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{size:.1f} TB"  # pragma: no cover
 
 
 KIND_WORDS = {
@@ -285,7 +277,7 @@ def inspection_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
     model = report.get("model")
     if model:
         rows.append(("parameters", f"{model['parameters']:,} in {model['tensors']} tensors"))
-        rows.append(("model size", human_size(model["bytes"])))
+        rows.append(("model size", ui.byte_size(model["bytes"])))
         dtypes = ", ".join(f"{name} ×{count}" for name, count in model["dtypes"].items())
         rows.append(("dtypes", dtypes))
         prefix = "yes: keys start with `module.`" if model["ddp_prefix"] else "no"
@@ -293,7 +285,7 @@ def inspection_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
     devices = ", ".join(f"{name} ×{count}" for name, count in report["devices"].items())
     rows.append(("saved on", devices or "-"))
     rows.append(("tensors in file", str(report["tensors"])))
-    rows.append(("size on disk", human_size(report["size_bytes"])))
+    rows.append(("size on disk", ui.byte_size(report["size_bytes"])))
     rows.append(("sha256", digest_words(report["digest"])))
     return rows
 

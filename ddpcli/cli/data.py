@@ -17,7 +17,6 @@ import typer
 
 from ddpcli import ui
 from ddpcli.cli.app import data_app, run_command
-from ddpcli.cli.checkpoint import human_size
 from ddpcli.cli.options import option
 from ddpcli.config.data import DEFAULT_SHARD_SIZE, MAX_DEFAULT_WORKERS
 from ddpcli.errors import runtime_error
@@ -173,7 +172,7 @@ def show_pack(report: dict[str, Any]) -> None:
     for name, split in report["splits"].items():
         ui.info(
             f"{name}: {split['samples']:,} samples of {split['classes']} classes in "
-            f"{split['shards']} shards ({human_size(split['bytes'])})"
+            f"{split['shards']} shards ({ui.byte_size(split['bytes'])})"
         )
     if report["removed_stale_shards"]:
         ui.info(f"removed {len(report['removed_stale_shards'])} shards of the earlier pack")
@@ -194,7 +193,6 @@ def show_verify(report: dict[str, Any]) -> None:
     for name, split in report["splits"].items():
         bad = bad_by_split.get(name, 0)
         result = f"[red]{bad} bad[/red]" if bad else "[green]ok[/green]"
-        table.add_row(
-            name, str(split["shards"]), f"{split['samples']:,}", human_size(split["bytes"]), result
-        )
+        size = ui.byte_size(split["bytes"])
+        table.add_row(name, str(split["shards"]), f"{split['samples']:,}", size, result)
     ui.console.print(table)

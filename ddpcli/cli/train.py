@@ -193,15 +193,17 @@ def resolve_and_launch(
     cfg = with_cpu_precision(with_usable_gpus(cfg))
 
     built = preflight(cfg)  # the user's own code runs here first: exit 2 before workers
+    from ddpcli.checkpoint.schema import check_resume_source, with_checked_resume
+
     if dry_run:
+        check_resume_source(cfg)  # a bad --resume file: exit 2, as the run would say it
         show_config(cfg, json_output, built)
         return None
-    from ddpcli.checkpoint.schema import check_resume_source
     from ddpcli.launcher.launch import launch_train
     from ddpcli.outputs.runfolder import continue_after_requeue
 
     cfg = continue_after_requeue(cfg, launcher)
-    check_resume_source(cfg)  # a bad --resume file: exit 2 now, before any worker starts
+    cfg = with_checked_resume(cfg)  # a bad --resume file: exit 2 now, before any worker starts
     try:
         return cfg, launch_train(cfg, debug=_state["debug"])
     except KeyboardInterrupt as stop:  # under torchrun this process was the rank itself

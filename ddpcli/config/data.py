@@ -4,7 +4,9 @@ from (a folder or a URL), which `ddpcli train --data-dir` shares."""
 
 from __future__ import annotations
 
+import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -12,6 +14,7 @@ from pydantic import BeforeValidator, Field, PlainValidator, SerializationInfo, 
 
 from ddpcli.config.barrier import parse_size_list
 from ddpcli.config.common import CommandConfig, given, validated
+from ddpcli.errors import usage_error
 from ddpcli.machine import cpu_count
 
 DEFAULT_SHARD_SIZE = "256MB"
@@ -19,6 +22,9 @@ MIN_SHARD_BYTES = 1 << 10
 MAX_SHARD_BYTES = 1 << 40
 # Packing reads files and writes tars: past a few processes a disk, not the CPU, is the limit.
 MAX_DEFAULT_WORKERS = 8
+# DDPCLI_SLOW_PACK=SECONDS: each sample, once written into its shard's temporary file, waits
+# SECONDS. A pack slow on purpose, that a test can interrupt mid-shard on a busy machine.
+SLOW_PACK_VARIABLE = "DDPCLI_SLOW_PACK"
 
 
 def parse_size(text: str) -> int:
@@ -106,6 +112,8 @@ class DataPackConfig(CommandConfig):
     workers: int | None = Field(None, ge=1, le=1024)
     seed: int = Field(0, ge=0, description="seed of the order samples are spread over shards")
     force: bool = False
+    # debugging: seconds each sample waits in its shard, from DDPCLI_SLOW_PACK
+    slow_pack: float = 0.0
 
     @property
     def processes(self) -> int:
@@ -123,9 +131,25 @@ class DataVerifyConfig(CommandConfig):
         return self.workers or default_workers()
 
 
-def build_pack_config(flags: dict[str, Any]) -> DataPackConfig:
+def build_pack_config(
+    flags: dict[str, Any], environ: Mapping[str, str] | None = None
+) -> DataPackConfig:
     """Flags left at None mean "not given"."""
-    return validated(DataPackConfig, given(flags))
+    env = os.environ if environ is None else environ
+    values = given(flags)
+    if env.get(SLOW_PACK_VARIABLE):
+        values["slow_pack"] = parse_slow_pack(env[SLOW_PACK_VARIABLE])
+    return validated(DataPackConfig, values)
+
+
+def parse_slow_pack(text: str) -> float:
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not 0 <= seconds <= 60:
+        raise usage_error(f"invalid {SLOW_PACK_VARIABLE}: give SECONDS, e.g. 0.5 (got {text!r})")
+    return seconds
 
 
 def build_verify_config(flags: dict[str, Any]) -> DataVerifyConfig:

@@ -427,6 +427,10 @@ class TrainConfig(Membership, CommandConfig):
     # another to keep the global batch (TrainConfig.for_world_change); the checkpoint keeps
     # it, so that the next restart at the same world keeps the policy's value.
     requested_accumulate: int | None = None
+    # Resolved, never given: the --resume file as the launcher found it when it checked its
+    # SHA-256 (ddpcli.checkpoint.loading.file_stamp); a worker that finds that same file does
+    # not read it all again to hash it.
+    resume_checked: str | None = None
 
     @field_validator("init_method")
     @classmethod
@@ -878,6 +882,8 @@ def build_train_config(
         raise usage_error("precision_reason is not a setting; the run states why it chose one")
     if "requested_accumulate" in values:
         raise usage_error("requested_accumulate is not a setting; set accumulate")
+    if "resume_checked" in values:
+        raise usage_error("resume_checked is not a setting; the launcher records its check")
     if "peak_lr" in values:
         where = f"recipe {recipe}" if recipe and "peak_lr" in from_recipe else "the flags"
         raise usage_error(

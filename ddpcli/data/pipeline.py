@@ -90,11 +90,13 @@ def channel_stats(images: torch.Tensor) -> tuple[list[float], list[float]]:
 class TracedBatches:
     """Batches that append each batch's sample indices to a file as they are handed out
     (DDPCLI_TRACE_SAMPLES): a record of exactly what this rank trained on. INDICES: the
-    epoch's keys for this rank in batch order; each batch takes as many as it has labels."""
+    epoch's keys for this rank in batch order; each batch takes as many as it has labels.
+    Each record names the world it was trained in: where an elastic job's rounds change the
+    world, it tells their records apart (a rank's file holds every round's)."""
 
-    def __init__(self, batches, indices: list[int], path: Path, epoch: int):
+    def __init__(self, batches, indices: list[int], path: Path, epoch: int, world: int):
         self.batches, self.indices = batches, indices
-        self.path, self.epoch = path, epoch
+        self.path, self.epoch, self.world = path, epoch, world
 
     def __len__(self) -> int:
         return len(self.batches)
@@ -105,7 +107,8 @@ class TracedBatches:
             for batch in self.batches:
                 start, end = end, end + len(batch[1])
                 chunk = self.indices[start:end]
-                handle.write(json.dumps({"epoch": self.epoch, "indices": chunk}) + "\n")
+                record = {"epoch": self.epoch, "world": self.world, "indices": chunk}
+                handle.write(json.dumps(record) + "\n")
                 handle.flush()
                 yield batch
 
@@ -356,7 +359,8 @@ class DataPipeline:
         if self.cfg.random_erase > 0:
             batches = ErasedBatches(batches, indices, self.cfg.seed, epoch, self.cfg.random_erase)
         if self.trace_file:
-            batches = TracedBatches(batches, indices, self.trace_file, epoch)
+            world = self.ctx.world_size
+            batches = TracedBatches(batches, indices, self.trace_file, epoch, world)
         slow = self.cfg.slow_data
         if slow is not None and slow[0] == self.ctx.rank:
             batches = SlowedBatches(batches, slow[1])

@@ -516,7 +516,7 @@ def check_same_settings(roll: RollCall, node_rank: int) -> None:
 PER_NODE_SETTINGS = frozenset({
     "node_rank", "gpus", "data_dir", "data_path", "workers", "download", "out", "resume",
     "log_dir", "trace_samples", "ifname", "master_addr", "master_port", "init_method", "timeout",
-    "world_from", "precision_reason", "slow_data",
+    "world_from", "precision_reason", "slow_data", "resume_checked",
 })  # fmt: skip
 SETTING_LABELS = {"nproc_per_node": "processes per node (--nproc, or the GPUs listed)"}
 

@@ -24,6 +24,7 @@ from ddpcli.launcher.launch import (
     run_workers,
     worker_environment,
 )
+from ddpcli.launcher.resolve import check_torch_sees_gpus
 from ddpcli.machine import check_gpu_indices, check_interface, granted_gpus, physical_gpu_count
 from ddpcli.network import port_holder, port_is_free
 
@@ -50,6 +51,10 @@ def check_before_start(cfg: ScriptLaunchConfig) -> None:
     """The rows `ddpcli check-env` would fail on for this launch, and the target itself."""
     check_target(cfg)
     check_gpu_indices(cfg.gpus, cpu_alternative="--nproc N without --gpus")
+    # As train's: each worker would find no CUDA and, in most scripts, train on the CPU unseen.
+    check_torch_sees_gpus(
+        len(cfg.gpus or []), on_the_cpu="run CPU processes with --nproc N without --gpus"
+    )
     if cfg.ifname:
         check_interface(cfg.ifname)
     if cfg.log_dir is not None:

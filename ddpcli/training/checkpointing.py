@@ -68,7 +68,7 @@ class Checkpointing:
         """The parts restored from PATH: the position they stand at, and the global batch
         the run that saved them trained with (its steps are the scheduler's count; "?" where
         the file does not say)."""
-        payload = load_training_checkpoint(path, map_location=self.ctx.device)
+        payload = load_training_checkpoint(path, self.ctx.device, self.cfg.resume_checked)
         state = restore_training(payload, self.parts, self.ctx, path, self.cfg.per_gpu_batch)
         self.data.follow_position(state.stream_position)
         saved_batch = global_batch_of(payload.get("config") or {}, payload["world_size"])

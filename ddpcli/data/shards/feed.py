@@ -46,6 +46,7 @@ from ddpcli.data.shards.stream import MemberBytes, RawSample, part_samples
 from ddpcli.dist import DistContext, all_gather_object, all_reduce_max
 from ddpcli.errors import runtime_error
 from ddpcli.process import multiprocessing_sockets_fit
+from ddpcli.ui import byte_size
 
 # The default shuffle buffer: this fraction of the node's available memory, shared by its
 # streams (ranks x workers), in samples of the index's mean size, within these bounds.
@@ -411,7 +412,7 @@ class ShardFeed:
         return (
             f"shards: {shards} train shards read in a seeded order each epoch, cut into "
             f"{streams} streams ({who}){split_by}; shuffle buffer {self.buffer} samples per "
-            f"stream (about {human_bytes(buffer_bytes)} each; {origin}); every rank runs "
+            f"stream (about {byte_size(buffer_bytes)} each; {origin}); every rank runs "
             f"{self.steps()} micro-batches, its last one holding the rest of its share"
         )
 
@@ -433,7 +434,7 @@ class ShardFeed:
             )
         line = (
             f"{head} dealt from the saved stream position over {world} ranks x {self.parts} "
-            f"streams, {steps} batches of {batch} each"
+            f"streams, {'one batch' if steps == 1 else f'{steps} batches'} of {batch} each"
         )
         if lasts := self.last_batches(left):
             line += f", the last of them {lasts} (the tail folded in)"
@@ -442,11 +443,3 @@ class ShardFeed:
 
 def resumed_pieces(position: dict[str, Any]) -> list[Piece]:
     return [(int(stream), int(first), int(end)) for stream, first, end in position["pieces"]]
-
-
-def human_bytes(count: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if count < 1024 or unit == "GB":
-            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
-        count /= 1024
-    return f"{count:.1f} GB"

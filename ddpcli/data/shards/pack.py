@@ -47,7 +47,7 @@ def check_out(cfg: DataPackConfig) -> None:
 def shard_tasks(source: Source, cfg: DataPackConfig) -> dict[str, list[ShardTask]]:
     return {
         split: [
-            ShardTask(str(cfg.out), shard_name(split, number), items)
+            ShardTask(str(cfg.out), shard_name(split, number), items, cfg.slow_pack)
             for number, items in enumerate(
                 plan_shards(seeded_order(samples.items, cfg.seed), cfg.shard_size)
             )

@@ -11,7 +11,8 @@ shard is read (no such bucket, no index, no endpoint there) is bad input: exit 2
 Credentials are wherever the storage's own library looks (AWS_ACCESS_KEY_ID,
 AWS_SECRET_ACCESS_KEY, AWS_PROFILE, AWS_ENDPOINT_URL[_S3] for botocore;
 GOOGLE_APPLICATION_CREDENTIALS for gcsfs): ddpcli never reads them, and a URL's own
-user:password@ is shown and saved as ***@.
+user:password@ is shown and saved as ***@. One exception to botocore's own search: off EC2,
+its last place, the instance-metadata endpoint, is skipped (`without_instance_metadata`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import io
+import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -48,6 +50,13 @@ PACKAGES = {
     "https": ("aiohttp", "pip install 'ddpcli[s3]' (or 'fsspec[http]')"),
 }
 BUCKET_SCHEMES = ("s3", "gs", "gcs")
+# Where Linux says it runs on an EC2 instance (AWS's "Detect whether a host is an EC2
+# instance"): the DMI vendor of a Nitro instance, the hypervisor's UUID of a Xen one.
+EC2_MARKERS = (
+    (Path("/sys/devices/virtual/dmi/id/sys_vendor"), "Amazon EC2"),
+    (Path("/sys/devices/virtual/dmi/id/bios_vendor"), "Amazon EC2"),
+    (Path("/sys/hypervisor/uuid"), "ec2"),
+)
 # 4xx answers a retry cannot change (408 and 429 can: they say "later").
 FINAL_STATUS = range(400, 500)
 RETRIED_STATUS = (408, 429)
@@ -335,9 +344,29 @@ def url_filesystem(scheme: str) -> Any:
                 total=None, sock_connect=HTTP_CONNECT_S, sock_read=HTTP_SILENT_S
             )
             return fsspec.filesystem(scheme, client_kwargs={"timeout": timeout})
+        if scheme == "s3":
+            without_instance_metadata()
         return fsspec.filesystem(scheme)
     except ImportError:
         raise usage_error(f"reading {scheme}:// needs the {package} package; {install}") from None
+
+
+def without_instance_metadata() -> None:
+    """Without credentials botocore asks the instance-metadata endpoint (169.254.169.254) last;
+    off EC2 nothing answers there, and a laptop's `--dry-run` waited for its timeout before
+    "Unable to locate credentials". Off EC2 the endpoint is skipped, for this process and the
+    ones it starts; on an instance its role is the credentials, and the user's own
+    AWS_EC2_METADATA_DISABLED (true or false) always stands."""
+    if "AWS_EC2_METADATA_DISABLED" not in os.environ and not on_ec2():
+        os.environ["AWS_EC2_METADATA_DISABLED"] = "true"
+
+
+def on_ec2() -> bool:
+    for marker, start in EC2_MARKERS:
+        with contextlib.suppress(OSError, UnicodeDecodeError):
+            if marker.read_text().strip().lower().startswith(start.lower()):
+                return True
+    return False
 
 
 def shard_store(location: str | Path) -> ShardStore:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import os
 import tarfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +26,7 @@ class ShardTask:
     out: str
     name: str
     items: list[PackItem]
+    slow_pack: float = 0.0  # seconds each sample waits in the temporary file (DDPCLI_SLOW_PACK)
 
 
 def temporary_path(out: Path, name: str) -> Path:
@@ -70,6 +72,8 @@ def write_shard(task: ShardTask) -> ShardRecord:
                 for item in task.items:
                     add_member(tar, f"{item.key}.{item.suffix}", member_bytes(item))
                     add_member(tar, f"{item.key}.cls", str(item.label).encode())
+                    if task.slow_pack:
+                        time.sleep(task.slow_pack)
             handle.flush()
             os.fsync(handle.fileno())
         record = ShardRecord(
