@@ -432,13 +432,17 @@ class ShardFeed:
                 f"{head} left out (too few for a batch of {min(batch, LEAST_BATCH)} on each of "
                 f"{world} ranks, the least a training batch holds)"
             )
-        line = (
+        lasts = self.last_batches(left)  # "" when the tail needs no folding in
+        folded = " (the tail folded in)" if lasts else ""
+        if steps == 1:
+            batches = f"one batch of {lasts or batch} each{folded}"
+        else:
+            batches = f"{steps} batches of {batch} each"
+            batches += f", the last of them {lasts}{folded}" if lasts else ""
+        return (
             f"{head} dealt from the saved stream position over {world} ranks x {self.parts} "
-            f"streams, {'one batch' if steps == 1 else f'{steps} batches'} of {batch} each"
+            f"streams, {batches}; each stream replays from its start, reading but not decoding"
         )
-        if lasts := self.last_batches(left):
-            line += f", the last of them {lasts} (the tail folded in)"
-        return line + "; each stream replays from its start, reading but not decoding"
 
 
 def resumed_pieces(position: dict[str, Any]) -> list[Piece]:
