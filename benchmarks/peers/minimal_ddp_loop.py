@@ -20,13 +20,14 @@ PAD = 4
 
 
 def main() -> None:
-    args = parse_args(__doc__)
+    args = parse_args(__doc__, compile_option)
     rank, world_size, device = init(args.cpu)
     on_gpu = device.type == "cuda"
     model = build_model(args.arch, device)
     if on_gpu:
         model = model.to(memory_format=torch.channels_last)
     model = DistributedDataParallel(model, device_ids=[device.index] if on_gpu else None)
+    forward = torch.compile(model, mode=args.compile) if args.compile else model
     fast = {"fused": True} if on_gpu else {"foreach": True}
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, **fast)
 
@@ -49,12 +50,17 @@ def main() -> None:
         x = torch.where(flip, x.flip(3), x)
         x = ((x.float() / 255 - mean) / std).contiguous(memory_format=memory_format)
         with autocast(args.precision, device):
-            loss = F.cross_entropy(model(x), labels[batch])
+            loss = F.cross_entropy(forward(x), labels[batch])
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         clock.step(len(x))
     finish(args, "minimal_ddp_loop", clock, device)
+
+
+def compile_option(parser) -> None:
+    # What CUDA graphs would give a launch-bound step: `--compile reduce-overhead`.
+    parser.add_argument("--compile", metavar="MODE", help="torch.compile's mode (default: eager)")
 
 
 if __name__ == "__main__":
