@@ -81,11 +81,11 @@ BYTE_UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
 def byte_size(count: float) -> str:
     """A byte count as every command says one: powers of 1024 by their IEC names, one
     decimal at most (512 B, 1 KiB, 25.5 KiB, 42.7 MiB)."""
-    for unit in BYTE_UNITS:
-        if round(count, 1) < 1024 or unit == BYTE_UNITS[-1]:
+    for unit in BYTE_UNITS[:-1]:
+        if round(count, 1) < 1024:
             return f"{round(count, 1):g} {unit}"
         count /= 1024
-    raise AssertionError("unreachable: the last unit returns")
+    return f"{round(count, 1):g} {BYTE_UNITS[-1]}"
 
 
 def epoch_line(metrics: dict, epochs: int) -> None:

@@ -76,16 +76,24 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+def traced_records(trace: Path, rank: int, epoch: int | None = None) -> list[dict]:
+    """Rank RANK's training batches in the order it was handed them (DDPCLI_TRACE_SAMPLES=TRACE
+    writes TRACE.rankN: one record per batch, its epoch, world and sample indices), of EPOCH
+    only when given."""
+    lines = trace.with_name(f"{trace.name}.rank{rank}").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    return [record for record in records if epoch is None or record["epoch"] == epoch]
+
+
 def traced_counts(trace: Path, ranks: int, epoch: int | None = None) -> Counter:
-    """How often each sample index was handed out for training (DDPCLI_TRACE_SAMPLES=TRACE:
-    each rank's TRACE.rankN), over ranks 0..RANKS-1, in EPOCH only when given."""
-    seen: Counter = Counter()
-    for rank in range(ranks):
-        for line in trace.with_name(f"{trace.name}.rank{rank}").read_text().splitlines():
-            record = json.loads(line)
-            if epoch is None or record["epoch"] == epoch:
-                seen.update(record["indices"])
-    return seen
+    """How often each sample index was handed out for training, over ranks 0..RANKS-1, in
+    EPOCH only when given."""
+    return Counter(
+        index
+        for rank in range(ranks)
+        for record in traced_records(trace, rank, epoch)
+        for index in record["indices"]
+    )
 
 
 def read_metrics(out: Path) -> list[dict]:

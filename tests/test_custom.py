@@ -12,7 +12,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import REPO, read_metrics, run_cli
+from conftest import REPO, read_metrics, run_cli, traced_records
 
 MODEL_FILE = """
 import torch
@@ -260,8 +260,7 @@ def traced(trace: Path, world_size: int) -> dict[int, list[int]]:
     """Epoch -> every training index any rank was handed, in the trace files."""
     seen: dict[int, list[int]] = {}
     for rank in range(world_size):
-        for line in trace.with_name(f"{trace.name}.rank{rank}").read_text().splitlines():
-            batch = json.loads(line)
+        for batch in traced_records(trace, rank):
             seen.setdefault(batch["epoch"], []).extend(batch["indices"])
     return seen
 

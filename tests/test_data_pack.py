@@ -345,3 +345,7 @@ def test_ctrl_c_leaves_no_partial_shard_and_no_index(tmp_path):
     left = sorted(path.name for path in out.iterdir())
     assert "index.json" not in left and all(name.endswith(".tar") for name in left), left
     assert 1 <= len(left) < 40, left  # whole shards only, and stopped well before the end
+    for name in left:  # each shard whole: its one sample's image, all of it, and its label
+        with tarfile.open(out / name) as shard:
+            members = {Path(member.name).suffix: member.size for member in shard.getmembers()}
+        assert members.keys() == {".jpg", ".cls"} and members[".jpg"] == 2 << 10, (name, members)

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import LiveProcess, clean_env, free_port, read_metrics, run_cli
+from conftest import LiveProcess, clean_env, free_port, read_metrics, run_cli, traced_records
 from netns import Host, bridged_hosts, two_hosts
 
 from ddpcli.config import TrainConfig
@@ -103,8 +103,7 @@ def test_two_hosts_train_as_one_world(hosts, tmp_path, init):
 
 
 def traced_samples(trace: Path, rank: int) -> set[int]:
-    lines = trace.with_name(f"{trace.name}.rank{rank}").read_text().splitlines()
-    return {index for line in lines for index in json.loads(line)["indices"]}
+    return {index for record in traced_records(trace, rank) for index in record["indices"]}
 
 
 @pytest.mark.netns

@@ -8,13 +8,12 @@ compares losses (1e-6 relative) and the samples seen with the reference.
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import read_metrics, run_cli, settings_warnings
+from conftest import read_metrics, run_cli, settings_warnings, traced_records
 
 from ddpcli.checkpoint.loading import safe_load
 
@@ -39,8 +38,7 @@ def train(out: Path, *extra: str, trace: Path | None = None, nproc: int = WORLD_
 
 
 def read_trace(trace: Path, rank: int) -> list[tuple[int, list[int]]]:
-    lines = trace.with_name(f"{trace.name}.rank{rank}").read_text().splitlines()
-    return [(record["epoch"], record["indices"]) for record in map(json.loads, lines)]
+    return [(record["epoch"], record["indices"]) for record in traced_records(trace, rank)]
 
 
 def assert_same_results(resumed: list[dict], reference: list[dict]) -> None:

@@ -26,6 +26,7 @@ from conftest import (
     read_metrics,
     run_cli,
     traced_counts,
+    traced_records,
     write_noise_folder,
 )
 from test_faults import assert_no_worker_left, descendants, kill_pid
@@ -326,11 +327,6 @@ def kept_in_epoch(trace: Path, epoch: int, resumed: int, batch: int) -> Counter:
     assert rest == 0 and saved <= min(len(pair), len(rank_1)), (resumed, runs, rank_1)
     kept = alone + pair[:saved] + rank_1[:saved] + survivor
     return Counter(n for record in kept for n in record["indices"])
-
-
-def traced_records(trace: Path, rank: int, epoch: int) -> list[dict]:
-    lines = trace.with_name(f"{trace.name}.rank{rank}").read_text().splitlines()
-    return [record for record in map(json.loads, lines) if record["epoch"] == epoch]
 
 
 def bad_number(out: Path) -> int:
