@@ -231,12 +231,14 @@ def run_together(
 def train_args(args: argparse.Namespace, arch: str, compression: str, world: int) -> list[str]:
     """The work, the same on one host and on several: STEPS steps of the global batch."""
     batch = args.per_gpu_batch
+    # Compressed from the first step; the flag is PowerSGD's alone (refused with the others).
+    start = ["--powersgd-start-step", "0"] if compression.startswith("powersgd") else []
     return [
         sys.executable, "-m", "ddpcli", "train", "--cpu", "--arch", arch,
         "--image-size", str(args.image_size), "--per-gpu-batch", str(batch),
         "--synthetic-size", str(batch * world * args.steps), "--epochs", "1",
         "--log-every", str(args.steps), "--precision", args.precision,
-        "--grad-compression", compression, "--powersgd-start-step", "0",
+        "--grad-compression", compression, *start,
         "--timeout", str(args.run_timeout), "--json", *args.train_flags.split(),
     ]  # fmt: skip
 

@@ -93,6 +93,21 @@ def multiprocessing_sockets_fit() -> bool:
     return len(os.fsencode(tempfile.gettempdir())) <= ROOM_FOR_TMPDIR
 
 
+# What a launcher passes on to its workers (SIGINT aside), and what a scheduler sends every
+# process of a job to end it: SLURM's step signal (`--signal=USR1@90` too), systemd's control
+# group, `kill -TERM -- -PGID`.
+JOB_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1)
+
+
+def leave_job_signals_to_parent() -> None:
+    """For a rank's helper process (a loader worker): a job's signal sent to every process
+    of it is the rank's to answer. A helper that died of it took its rank down before the
+    rank could save its preemption checkpoint; it ends with its rank. (The fork server
+    blocks them: ddpcli.launcher.fork_server_setup.)"""
+    for signum in JOB_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
+
+
 def die_with_parent() -> None:
     """The elastic agent starts each worker in its own session, so when the agent itself is
     killed (SIGKILL, the OOM killer, a scheduler) nothing stops its workers, and they train

@@ -18,6 +18,7 @@ import threading
 import traceback
 from collections.abc import Callable
 from pathlib import Path
+from typing import TextIO
 
 FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<function>\S+)')
 THREAD_HEADER = re.compile(r"^(Thread 0x|Current thread 0x|Stack \(most recent call first\))")
@@ -29,6 +30,19 @@ PACKAGE = Path(__file__).parent  # ddpcli/, every package of it
 
 def stack_file_name(rank: int) -> str:
     return f"stack-{rank}.txt"
+
+
+def stack_output(folder: str | Path | None) -> TextIO:
+    """Where this rank writes its stack when the agent stops it: a file in the launcher's
+    FOLDER, which its report turns into a line where it tells where a rank was stuck, else
+    stderr. Never on the screen under a launcher: a rank stopped because another one failed
+    was not stuck."""
+    if not folder:
+        return sys.stderr
+    try:
+        return open(Path(folder) / stack_file_name(int(os.environ["RANK"])), "w")  # noqa: SIM115
+    except (OSError, KeyError, ValueError):
+        return sys.stderr
 
 
 def finished_file_name(rank: int) -> str:

@@ -245,6 +245,7 @@ LONG_MODULES = (
     "test_multinode", "test_shards_train", "test_preempt", "test_faults", "test_recipe_resume",
     "test_trackers", "test_loop_safety", "test_export", "test_custom", "test_shards_remote",
     "test_world_change", "test_lr", "test_eval", "test_run_folders", "test_speed_paths",
+    "test_job_signals",
 )  # fmt: skip
 
 

@@ -112,23 +112,27 @@ TRAIN = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize("resume_form", ["file", "module"])
-def test_train_resume_and_init_from_never_import_it(tmp_path, monkeypatch, resume_form):
-    """Two runs cover both forms for both flags: one form's file to --resume, the other's
-    to --init-from (the launcher reads both; the workers resume)."""
-    init_form = "module" if resume_form == "file" else "file"
+@pytest.mark.parametrize("form", ["file", "module"])
+def test_train_resume_refuses_its_arch_and_init_from_never_imports_it(
+    tmp_path, monkeypatch, in_process, form
+):
+    """--resume: the launcher reads the file and refuses another arch than the run's, naming
+    the stored one without importing it (in-process: no worker starts). --init-from: the
+    launcher and the workers read it and train from its weights, never importing it."""
     monkeypatch.chdir(tmp_path)
-    resumed = Crafted(tmp_path / "resumed", resume_form)
-    initial = Crafted(tmp_path / "initial", init_form)
-    out = tmp_path / "run"
+    crafted = Crafted(tmp_path / "crafted", form)
+    monkeypatch.syspath_prepend(str(crafted.folder))
+    refused = in_process(*TRAIN, "--out", str(tmp_path / "resumed"), "--resume", str(crafted.path))
+    assert refused.returncode == 2, refused.stderr
+    assert f"it was trained with --arch {crafted.arch}" in refused.stderr
+    assert not crafted.marker.exists()
     result = run_cli(
-        *TRAIN, "--out", str(out), "--resume", str(resumed.path), "--init-from", str(initial.path),
-        cwd=tmp_path, env={"PYTHONPATH": f"{REPO}:{resumed.folder}:{initial.folder}"},
-        timeout=120,
+        *TRAIN, "--out", str(tmp_path / "run"), "--init-from", str(crafted.path),
+        cwd=tmp_path, env={"PYTHONPATH": f"{REPO}:{crafted.folder}"}, timeout=120,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "resumed from" in result.stderr or "nothing to train" in result.stderr
-    assert not resumed.marker.exists() and not initial.marker.exists()
+    assert f"--init-from {crafted.path}: loaded 20 tensors" in result.stderr, result.stderr[-3000:]
+    assert not crafted.marker.exists()
 
 
 @pytest.mark.parametrize(

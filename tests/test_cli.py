@@ -477,6 +477,24 @@ def test_momentum_with_adamw_is_refused_as_betas_with_sgd_are(tmp_path):
     assert build("train", {"optimizer": "adamw"}).momentum is None  # not AdamW's setting
 
 
+def test_powersgd_start_step_without_powersgd_is_refused_as_momentum_with_adamw_is(tmp_path):
+    """It delays PowerSGD; with --grad-compression none, fp16 or bf16 it would do nothing."""
+    from ddpcli.config import build_train_config
+    from ddpcli.errors import DdpcliError
+
+    for compression in ({}, {"grad_compression": "bf16"}):
+        with pytest.raises(DdpcliError, match="invalid --powersgd-start-step: ") as refused:
+            build("train", {"powersgd_start_step": 200, **compression})
+        assert refused.value.exit_code == 2 and "--grad-compression powersgd" in str(refused.value)
+    recipe = tmp_path / "r.toml"
+    recipe.write_text("[train]\npowersgd_start_step = 200\n")
+    with pytest.raises(DdpcliError, match=f"--powersgd-start-step from recipe {recipe}"):
+        build_train_config({"grad_compression": "fp16"}, recipe, environ={})
+    given = build("train", {"powersgd_start_step": 200, "grad_compression": "powersgd:2"})
+    assert given.powersgd_start_step == 200
+    assert build("train", {}).powersgd_start_step == 1000  # the default is no one's word
+
+
 @pytest.mark.parametrize(
     ("line", "said"),
     [
@@ -519,9 +537,22 @@ def test_a_recipe_keeps_the_forms_toml_users_write(tmp_path):
     assert cfg.model_args == {"depth": 4}
 
 
-def test_a_flag_that_overrides_a_recipes_wrong_value_wins(tmp_path):
+def test_a_recipes_wrong_value_is_refused_even_where_a_flag_overrides_it(tmp_path):
+    """The recipe is checked whole: the same file must not be right or wrong by the flags
+    given beside it (the next run without --epochs would meet `epochs = true`)."""
     from ddpcli.config import build_train_config
+    from ddpcli.errors import DdpcliError
 
     recipe = tmp_path / "r.toml"
-    recipe.write_text("[train]\nepochs = true\n")
+    for line, flags, said in (
+        ("epochs = true", {"epochs": 3}, "invalid --epochs: must be a valid integer (got True)"),
+        ('cpu = "yes"', {"gpus": "0"}, "invalid --cpu: must be a valid boolean (got 'yes')"),
+    ):
+        recipe.write_text(f"[train]\n{line}\n")
+        with pytest.raises(DdpcliError) as refused:
+            build_train_config(flags, recipe, environ={})
+        assert refused.value.exit_code == 2
+        flag = said.split(":")[0].removeprefix("invalid ")
+        assert refused.value.message.startswith(f"{said} ({flag} from recipe {recipe}")
+    recipe.write_text("[train]\nepochs = 2\n")
     assert build_train_config({"epochs": 3}, recipe, environ={}).epochs == 3

@@ -3,9 +3,11 @@ with an index, byte for byte the same every time, read by webdataset, checked by
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
+import re
 import signal
 import sys
 import tarfile
@@ -20,6 +22,7 @@ from PIL import Image
 from test_cli import run_importing
 
 from ddpcli.config.data import parse_size
+from ddpcli.data.shards.pack import PENDING_NAME
 from ddpcli.data.shards.sources import sample_key
 
 CLASSES = ["bird", "cat", "dog"]
@@ -226,6 +229,33 @@ def test_force_replaces_an_earlier_pack_and_removes_its_extra_shards(packed, tmp
     assert invoke("data", "verify", str(target), "--workers", "1").returncode == 0
 
 
+def test_pack_never_touches_shard_named_files_no_pack_wrote(packed, tmp_path):
+    """webdataset's tools name their shards train-000000.tar too: a pack that replaced or
+    deleted them would destroy another tool's data. Only the shards an earlier pack's index
+    names are replaced (--force) or deleted; anything else so named is refused (exit 2)."""
+    src, out, _ = packed
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    files = {"notes.txt": b"x\n", "train-000999.tar": b"t\n", "val-000050.tar": b"v\n"}
+    for name, data in files.items():
+        (foreign / name).write_bytes(data)
+    for force in ([], ["--force"]):
+        args = ["data", "pack", str(src), str(foreign), "--shard-size", "8K", "--workers", "1"]
+        stderr = one_line_error(invoke(*args, *force))
+        assert "train-000999.tar, val-000050.tar" in stderr and "move them out" in stderr
+        assert all_files(foreign) == files
+
+    # Over a real pack with --force: a shard-named file its index never listed is kept.
+    target = tmp_path / "target"
+    target.mkdir()
+    for name, data in all_files(out).items():
+        (target / name).write_bytes(data)
+    (target / "train-000999.tar").write_bytes(b"t\n")
+    args = ["data", "pack", str(src), str(target), "--shard-size", "1M", "--workers", "1"]
+    assert "train-000999.tar" in one_line_error(invoke(*args, "--force"))
+    assert all_files(target) == {**all_files(out), "train-000999.tar": b"t\n"}
+
+
 def write_stl10(root: Path, counts=(("train", 12), ("test", 5))) -> dict[str, tuple]:
     """A tiny set in the official layout: channel-major, each channel column-major."""
     rng = np.random.default_rng(1)
@@ -284,9 +314,14 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path):
         ((tmp_path / "missing", tmp_path / "o1"), "does not exist"),
         ((plain, tmp_path / "o2"), "neither an image folder"),
         ((images, a_file / "out"), "is a file"),
+        # An index among the images would make `train --data-dir SRC` read shards.
+        ((images, images), "is SRC"),
+        ((images, images / "train" / "shards"), "inside SRC"),
     ]
     for (src, out), words in cases:
         assert words in one_line_error(invoke("data", "pack", str(src), str(out)))
+    assert sorted(path.name for path in images.iterdir()) == ["train", "val"]
+    assert not (images / "train" / "shards").exists()
     for size in ("12XB", "1M,2M", "0"):
         stderr = one_line_error(
             invoke("data", "pack", str(images), str(tmp_path / "o3"), "--shard-size", size)
@@ -295,6 +330,61 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path):
     assert "index.json" in one_line_error(invoke("data", "verify", str(plain)))
     (plain / "index.json").write_text("{not json")
     assert "not a ddpcli shard index" in one_line_error(invoke("data", "verify", str(plain)))
+
+
+def test_a_file_of_src_that_cannot_be_read_is_named_with_exit_2(tmp_path):
+    """A symbolic link to nothing (as `ddpcli train` names an image it cannot read)."""
+    images = write_image_folder(tmp_path / "src", train_per_class=1, val_per_class=1)
+    link = images / "train" / "cat" / "gone.png"
+    link.symlink_to(tmp_path / "nowhere.png")
+    stderr = one_line_error(invoke("data", "pack", str(images), str(tmp_path / "out")))
+    assert f"cannot read {link}: a symbolic link to {tmp_path / 'nowhere.png'}" in stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_class_number_past_the_index_is_named_by_verify_and_by_training(packed, tmp_path):
+    """An index whose class list is shorter than the labels: verify says which shards hold
+    such a label (exit 1), and training stops on the first one, naming its shard and key
+    (BadShard: exit 2), where the loss would fail with an IndexError."""
+    from ddpcli.data.shards.index import read_index
+    from ddpcli.data.shards.plan import fresh_plan, shard_table, whole_streams
+    from ddpcli.data.shards.storage import shard_store
+    from ddpcli.data.shards.stream import BadShard, part_samples
+
+    _, out, _ = packed
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for name, data in all_files(out).items():
+        (copy / name).write_bytes(data)
+    document = json.loads((copy / "index.json").read_text())
+    for split in document["splits"].values():
+        split["classes"] = CLASSES[:2]  # class 2 (dog) has no name
+    (copy / "index.json").write_text(json.dumps(document))
+
+    result = invoke("data", "verify", str(copy), "--json", "--workers", "1")
+    assert result.returncode == 1, result.stderr
+    report = json.loads(result.stdout)
+    with_dogs = {
+        name
+        for name, data in all_files(copy).items()
+        if name.endswith(".tar") and b"2" in shard_members(copy / name).values()
+    }
+    assert with_dogs and set(report["bad"]) == with_dogs
+    for check in report["shards"]:
+        if check["name"] in with_dogs:
+            assert check["status"] == "bad-label", check
+            assert ".cls holds '2', and the index names 2 classes (0 to 1)" in check["detail"]
+    assert "bad-label" in result.stderr and "Traceback" not in result.stderr
+
+    table = shard_table(read_index(copy).splits["train"])
+    plan = fresh_plan(table, 0, 0, 1, 1, 1)
+    with pytest.raises(BadShard) as raised:
+        list(part_samples(shard_store(copy), table, plan, whole_streams(plan)))
+    said = raised.value.message
+    assert raised.value.exit_code == 2
+    shard = rf"shard {copy}/train-\d{{6}}\.tar"
+    assert re.match(rf"{shard} gives train/dog/img\S+ class number 2, and the index names 2 "
+                    r"classes \(0 to 1\): it does not match", said), said  # fmt: skip
 
 
 def test_a_slow_pack_is_asked_for_in_seconds(tmp_path):
@@ -318,10 +408,49 @@ def test_sizes_and_keys():
     assert sample_key(PurePath("train/c/a%2Eb.jpg")) == "train/c/a%252Eb"
 
 
-def test_ctrl_c_leaves_no_partial_shard_and_no_index(tmp_path):
-    """Workers finish the shard in hand; nothing half-written is left, and no index names
-    an incomplete set (the next pack starts over). Each sample waits a second in its shard's
-    temporary file (DDPCLI_SLOW_PACK): the Ctrl-C lands mid-pack however busy the machine."""
+def job_processes(tag: str) -> list[int]:
+    """Every process whose environment holds TAG: the command, its fork server and resource
+    tracker, and the workers (forked from the server, with its environment)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and tag.encode() in (entry / "environ").read_bytes():
+                found.append(int(entry.name))
+        except OSError:
+            continue  # one that just ended, or not ours to read
+    return found
+
+
+def processes_left(tag: str, grace_s: float) -> list[str]:
+    """The command lines of TAG's processes still running after GRACE_S seconds."""
+    deadline = time.monotonic() + grace_s
+    while job_processes(tag) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = []
+    for pid in job_processes(tag):
+        with contextlib.suppress(OSError):
+            left.append((Path("/proc") / str(pid) / "cmdline").read_bytes().decode()[:120])
+    return left
+
+
+def end_job(run: LiveProcess, tag: str) -> None:
+    """SIGTERM to the process group and to every process of the job (those that left the
+    group too), then SIGKILL to what ignored it: nothing of a job outlives its test."""
+    for signum in (signal.SIGTERM, signal.SIGKILL):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(run.process.pid, signum)
+        for pid in job_processes(tag):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signum)
+        time.sleep(0.2)
+    run.kill()
+
+
+def test_ctrl_c_leaves_no_partial_shard_no_index_and_no_process(tmp_path):
+    """Workers are stopped at once; nothing half-written is left, no index names an
+    incomplete set (the next pack starts over), and no process of the pack is left (fork
+    server, resource tracker, workers). Each sample waits a second in its shard's temporary
+    file (DDPCLI_SLOW_PACK): the Ctrl-C lands mid-pack however busy the machine."""
     for name in CLASSES[:2]:
         for split, count in (("train", 20), ("val", 1)):
             folder = tmp_path / "src" / split / name
@@ -331,21 +460,75 @@ def test_ctrl_c_leaves_no_partial_shard_and_no_index(tmp_path):
     out = tmp_path / "out"
     command = [sys.executable, "-m", "ddpcli", "data", "pack", str(tmp_path / "src"), str(out)]
     command += ["--shard-size", "1K", "--workers", "2"]  # one sample a shard: 42 shards
-    run = LiveProcess(command, clean_env(DDPCLI_SLOW_PACK="1"))
+    tag = f"DDPCLI_TEST_JOB={tmp_path.name}"
+    run = LiveProcess(command, clean_env(DDPCLI_SLOW_PACK="1", DDPCLI_TEST_JOB=tmp_path.name))
     try:
         deadline = time.monotonic() + 60
         while not list(out.glob("train-*.tar")) and time.monotonic() < deadline:
             time.sleep(0.01)
         os.killpg(run.process.pid, signal.SIGINT)
-        code = run.finish(timeout=60)
+        code = run.finish(timeout=30)
+        left_running = processes_left(tag, grace_s=5)
     finally:
-        run.kill()
+        end_job(run, tag)
     assert code == 130, run.stderr
+    assert not left_running, left_running
     assert "interrupted" in run.stderr and "Traceback" not in run.stderr
-    left = sorted(path.name for path in out.iterdir())
+    left = sorted(path.name for path in out.iterdir() if path.name != PENDING_NAME)
     assert "index.json" not in left and all(name.endswith(".tar") for name in left), left
     assert 1 <= len(left) < 40, left  # whole shards only, and stopped well before the end
     for name in left:  # each shard whole: its one sample's image, all of it, and its label
         with tarfile.open(out / name) as shard:
             members = {Path(member.name).suffix: member.size for member in shard.getmembers()}
         assert members.keys() == {".jpg", ".cls"} and members[".jpg"] == 2 << 10, (name, members)
+    # The shards it wrote are listed as a pack's: the next pack starts over, unasked.
+    assert (out / PENDING_NAME).is_file()
+    again = invoke("data", "pack", str(tmp_path / "src"), str(out), "--shard-size", "1K",
+                   "--workers", "1")  # fmt: skip
+    assert again.returncode == 0, again.stderr
+    assert len(list(out.glob("*.tar"))) == 42 and not (out / PENDING_NAME).exists()
+
+
+def test_ctrl_c_while_the_pool_starts_its_workers_leaves_none(monkeypatch):
+    """The window where a Ctrl-C left a worker that no one ended (and with it the fork
+    server and the resource tracker, for good; or an exit that waited for it forever): the
+    first worker started and waiting for tasks, the pool not yet told. Here the Ctrl-C
+    comes at that moment each time."""
+    from multiprocessing.process import BaseProcess
+
+    from ddpcli.data.shards.parallel import run_parallel
+
+    started: list[int] = []
+    start = BaseProcess.start
+
+    def start_then_ctrl_c(process: BaseProcess) -> None:
+        start(process)
+        started.append(process.pid or 0)
+        if len(started) == 1:
+            time.sleep(1)  # the worker set up, waiting for its first task
+            os.kill(os.getpid(), signal.SIGINT)
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    monkeypatch.setattr(BaseProcess, "start", start_then_ctrl_c)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run_parallel(abs, [-1, -2, -3, -4], 2)
+        monkeypatch.undo()
+        deadline = time.monotonic() + 5
+        while any(running(pid) for pid in started) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert started and not [pid for pid in started if running(pid)], started
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        for pid in started:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def running(pid: int) -> bool:
+    """PID is a live process (not a zombie its parent has yet to reap)."""
+    try:
+        state = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"

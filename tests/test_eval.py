@@ -4,6 +4,7 @@ files; bad inputs are exit 2 with one line. One training run serves every test."
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 
@@ -167,6 +168,58 @@ def test_bad_inputs_are_exit_2_with_one_line(trained, tmp_path):
     torch.save(payload, foreign)
     line = one_line_exit_2(str(foreign), "--data-dir", str(data))
     assert "evil_module:build" in line and "--arch evil_module:build" in line
+
+
+def test_a_plain_state_dict_of_other_classes_than_the_folders_says_both_counts(trained, tmp_path):
+    """The weights' classifier has 3 outputs, the folder 2 classes: the classes differ, not
+    the architecture (--arch tinycnn is right)."""
+    two = tmp_path / "two"
+    for name in CLASSES[:2]:
+        (two / "val" / name).mkdir(parents=True)
+        Image.new("RGB", (16, 16)).save(two / "val" / name / "0.png")
+    plain = tmp_path / "plain.pt"
+    torch.save(torch.load(trained["best"], weights_only=True)["model"], plain)
+    line = one_line_exit_2(str(plain), "--data-dir", str(two), "--arch", "tinycnn")
+    assert "has 2 classes (cat, dog)" in line and "the weights' classifier 3" in line, line
+    assert "--arch" not in line, line
+
+
+def test_a_class_name_with_a_newline_is_quoted_in_the_error_and_the_table(trained, tmp_path):
+    other = tmp_path / "other"
+    for name in (*CLASSES, "ze\nbra"):
+        (other / "val" / name).mkdir(parents=True)
+        Image.new("RGB", (16, 16)).save(other / "val" / name / "0.png")
+    line = one_line_exit_2(str(trained["best"]), "--data-dir", str(other))
+    assert "'ze\\nbra' is not among its 3" in line, line
+    from rich.console import Console
+
+    from ddpcli.cli.eval import per_class_table
+
+    rows = [{"class": name, "precision": 0.5, "recall": 0.5, "f1": 0.5, "support": 1}
+            for name in ("cat", "ze\nbra")]  # fmt: skip
+    console = Console(record=True, width=120, file=io.StringIO())
+    console.print(per_class_table(rows))
+    lines = console.export_text().splitlines()
+    assert any("'ze\\nbra'" in row and "50.00%" in row for row in lines), lines
+    assert not any(row.strip("│ ").startswith("bra") for row in lines), lines
+
+
+def test_an_eval_into_an_earlier_evals_folder_leaves_none_of_its_files(trained, monkeypatch):
+    """--out reused without --predictions: the earlier predictions.csv is removed (it would
+    sit beside figures it is not of), and the line says so."""
+    for variable, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(variable, value)
+    out = trained["root"] / "eval-reused"
+    args = ["eval", str(trained["best"]), "--data-dir", str(trained["data"]), "--cpu",
+            "--json", "--out", str(out)]  # fmt: skip
+    first = CliRunner().invoke(app, [*args, "--predictions"])
+    assert first.exit_code == 0, first.stderr
+    assert (out / "predictions.csv").is_file()
+    second = CliRunner().invoke(app, args)
+    assert second.exit_code == 0, second.stderr
+    assert not (out / "predictions.csv").exists()
+    assert "predictions" not in json.loads(second.stdout)["files"]
+    assert f"removed {out / 'predictions.csv'}" in second.stderr, second.stderr
 
 
 def test_fixed_batches_deal_every_image_once_at_any_world():

@@ -91,6 +91,11 @@ def test_convert_to_safetensors_keeps_ema_weights_arch_classes_and_preprocessing
     assert "n_averaged" not in state
     assert metadata["arch"] == "tinycnn" and metadata["num_classes"] == 10
     assert metadata["classes"] == saved["classes"]
+    verified = invoke("checkpoint", "verify", str(out), "--json")
+    assert verified.exit_code == 0, verified.output
+    model_check = next(c for c in json.loads(verified.stdout)["checks"] if c["check"] == "model")
+    assert model_check["status"] == "pass", model_check
+    assert model_check["detail"].startswith("tinycnn(num_classes=10) accepts all"), model_check
     assert (metadata["mean"], metadata["std"]) == ([0.5, 0.4, 0.3], [0.2, 0.2, 0.2])
     assert (metadata["image_size"], metadata["val_resize_size"], metadata["val_crop_size"]) == (
         16, 16, 16
@@ -100,6 +105,21 @@ def test_convert_to_safetensors_keeps_ema_weights_arch_classes_and_preprocessing
     assert raw.exit_code == 0, raw.output
     raw_state, _ = read_safetensors(tmp_path / "raw.safetensors")
     assert torch.equal(raw_state["fc.weight"], saved["model"]["fc.weight"])
+
+
+def test_an_existing_out_is_kept_unless_overwrite_is_given(checkpoint, tmp_path):
+    """`convert best.pt last.pt` by mistake must not turn a resumable checkpoint into a state
+    dict: OUT that exists is exit 2 (a pt copy or an export alike); --overwrite replaces it."""
+    for name in ("last.pt", "model.safetensors"):
+        out = tmp_path / name
+        out.write_bytes(b"a resumable checkpoint")
+        refused = invoke("checkpoint", "convert", str(checkpoint), str(out))
+        assert refused.exit_code == 2, refused.output
+        assert f"{out} exists" in refused.output and "--overwrite" in refused.output
+        assert out.read_bytes() == b"a resumable checkpoint"
+        replaced = invoke("checkpoint", "convert", str(checkpoint), str(out), "--overwrite")
+        assert replaced.exit_code == 0, replaced.output
+        assert out.read_bytes() != b"a resumable checkpoint"
 
 
 def test_a_suffix_that_contradicts_to_is_exit_2(checkpoint, tmp_path):
@@ -123,6 +143,17 @@ def test_convert_to_pt2_is_checked_against_eager_on_batches_of_1_and_n(checkpoin
     ), result.output
     program = torch.export.load(str(out)).module()
     assert program(torch.zeros(7, 3, 16, 16)).shape == (7, 10)  # the batch axis is dynamic
+    assert_eval_names_what_it_reads(out, "a torch.export program")
+
+
+def assert_eval_names_what_it_reads(exported: Path, kind: str) -> None:
+    """An export handed to `ddpcli eval` is not called corrupt: exit 2 says what it is, what
+    eval reads, and what to use."""
+    result = invoke("eval", str(exported), "--cpu", "--nproc", "1")
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.exit_code == 2 and len(lines) == 1, result.output
+    assert f"is {kind}" in lines[0] and "corrupt" not in lines[0], lines[0]
+    assert ".safetensors" in lines[0] and "--to safetensors" in lines[0], lines[0]
 
 
 def test_an_export_that_differs_from_eager_is_exit_1_and_writes_nothing(
@@ -290,3 +321,4 @@ def test_onnx_export_runs_in_onnxruntime_and_agrees_with_eager(trained):
     assert onnx_logits.shape == (15, 3)  # a batch of 15: the axis is dynamic
     assert (torch.from_numpy(onnx_logits) - logits).abs().max().item() < 1e-4
     assert torch.equal(torch.from_numpy(onnx_logits).argmax(1), logits.argmax(1))
+    assert_eval_names_what_it_reads(trained["onnx"], "an ONNX model")

@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import json
 import socket
+from types import SimpleNamespace
 
 import pytest
+import torch
 from conftest import run_cli
 
 from ddpcli.config import build_train_config
 from ddpcli.errors import DdpcliError
-from ddpcli.training.profiling import step_profiler, window_note
+from ddpcli.training.profiling import StepProfiler, step_profiler, window_note
 
 
 def step_spans(trace: dict) -> dict[int, tuple[float, float]]:
@@ -33,11 +35,12 @@ def test_profile_steps_write_a_trace_per_rank_and_the_step_breakdown(tmp_path):
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     host = socket.gethostname()
-    traces = sorted(path.name for path in (out / "profile").iterdir())
+    folder = out / "profile" / "steps3-4"  # the steps the traces hold
+    traces = sorted(path.name for path in folder.iterdir())
     assert traces == [f"rank0-{host}.pt.trace.json", f"rank1-{host}.pt.trace.json"]
-    assert "profile of steps 3-4: one trace per rank in" in result.stderr
+    assert f"profile of steps 3-4: one trace per rank in {folder}" in result.stderr
     for rank in (0, 1):
-        trace = json.loads((out / "profile" / f"rank{rank}-{host}.pt.trace.json").read_text())
+        trace = json.loads((folder / f"rank{rank}-{host}.pt.trace.json").read_text())
         # torch's distributedInfo (what HTA reads), and ddpcli's own beside it
         assert trace["distributedInfo"]["rank"] == rank
         assert trace["distributedInfo"]["world_size"] == 2
@@ -62,6 +65,33 @@ def test_profile_steps_write_a_trace_per_rank_and_the_step_breakdown(tmp_path):
         parts = ("data_wait", "compute", "exposed_comm", "optimizer", "other")
         assert sum(row[part] for part in parts) == pytest.approx(1.0, abs=0.01)
         assert row["compute"] > 0.1 and row["optimizer"] > 0 and row["step_ms"] > 0
+
+
+def test_a_resumed_run_keeps_the_trace_of_the_steps_before_its_stop(tmp_path):
+    """--profile-steps 2:6, preempted after step 4 (inside the window), resumed from it: the
+    resume's trace (steps 5-6) goes beside the first part's (3-4), not over it."""
+    ctx = SimpleNamespace(
+        rank=0, local_rank=0, world_size=1, backend="gloo", device=torch.device("cpu"),
+        is_main=True,
+    )  # fmt: skip
+    with StepProfiler((2, 6), first_step=2, out=tmp_path, ctx=ctx) as stopped:
+        for step in (3, 4):  # each step's end; step 5 is under way at the preemption
+            stopped.at_step(step)
+    with StepProfiler((2, 6), first_step=4, out=tmp_path, ctx=ctx) as resumed:
+        for step in (5, 6):
+            resumed.at_step(step)
+    host = socket.gethostname()
+    traces = {
+        path.relative_to(tmp_path / "profile").as_posix(): sorted(
+            step_spans(json.loads(path.read_text()))
+        )
+        for path in (tmp_path / "profile").rglob("*.json")
+    }
+    first, rest = f"steps3-4/rank0-{host}.pt.trace.json", f"steps5-6/rank0-{host}.pt.trace.json"
+    assert sorted(traces) == [first, rest]
+    # The first part's trace also holds the span of step 5, under way at the stop (its save).
+    assert traces[first][:2] == [3, 4] and 6 not in traces[first]
+    assert traces[rest] == [5, 6]
 
 
 def test_profile_steps_are_checked_before_any_rank_starts():

@@ -80,3 +80,23 @@ def test_the_launchers_record_of_its_check_is_no_setting(tmp_path):
     recipe.write_text('resume_checked = "anything"\n')
     with pytest.raises(DdpcliError, match="resume_checked is not a setting"):
         build_train_config({}, recipe)
+
+
+def test_resume_auto_without_the_runs_arch_is_refused_before_any_rank_starts(in_process, tmp_path):
+    """The file names its arch; a resume that asks for another one (here: no --arch, so the
+    default) would launch and have every rank list shape mismatches. Exit 2 first, naming both."""
+    out = tmp_path / "run"
+    last = out / "checkpoints" / "last.pt"
+    payload = resumable_payload()
+    payload["config"]["arch"] = "tinycnn"
+    atomic_save(payload, last)
+    without_arch = [flag for flag in TINY_DRY if flag not in ("--arch", "tinycnn")]
+    result = in_process("train", *without_arch, "--out", str(out), "--resume", "auto")
+    assert result.returncode == 2
+    assert one_line(result) == (
+        f"error: cannot resume from {last}: it was trained with --arch tinycnn, this run asks "
+        "for --arch smallcnn; resume with --arch tinycnn, or give another --out to start a new "
+        "smallcnn run"
+    )
+    result = in_process("train", *TINY_DRY, "--out", str(out), "--resume", "auto")
+    assert result.returncode == 0, result.stderr  # the run's own arch resumes

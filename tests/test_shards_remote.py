@@ -361,3 +361,162 @@ def test_the_metadata_endpoint_stays_on_ec2_and_where_the_user_says(
     monkeypatch.setattr(storage, "on_ec2", lambda: True)  # an instance's role is its credentials
     storage.url_filesystem("s3")
     assert "AWS_EC2_METADATA_DISABLED" not in os.environ
+
+
+# --- A server that goes away (issue 47 findings 8 and 10) --------------------------------------
+
+
+class Outage:
+    """The packed folder served on a port of its own, which goes away when SHARD is first
+    asked for, as `python -m http.server` killed mid-shard: its port closed and that answer
+    cut after 4 KiB; back on the same port after AWAY_S seconds (None: never)."""
+
+    def __init__(self, folder: Path, shard: str, away_s: float | None):
+        self.folder, self.shard, self.away_s = folder, shard, away_s
+        self.requests: list[tuple[str, int]] = []
+        self.cuts = {shard: [4096, 1]}
+        self.running: list[ThreadingHTTPServer] = []
+        self.went = False
+        self.port = 0
+        self.start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        outage = self
+
+        class Handler(RangeHandler):
+            def __init__(self, *args, **kwargs):
+                super().__init__(*args, directory=str(outage.folder), **kwargs)
+
+            def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+                if self.path == outage.shard and not outage.went:
+                    outage.went = True
+                    threading.Thread(target=outage.go_away, daemon=True).start()
+                super().do_GET()
+
+        server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+        server.requests, server.cuts = self.requests, self.cuts  # type: ignore[attr-defined]
+        self.port = server.server_address[1]
+        self.running.append(server)
+        serve = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
+        serve.start()
+
+    def go_away(self) -> None:
+        self.stop()
+        if self.away_s is not None:
+            time.sleep(self.away_s)
+            self.start()
+
+    def stop(self) -> None:
+        while self.running:
+            server = self.running.pop()
+            server.shutdown()
+            server.server_close()
+
+
+@pytest.fixture
+def outage(packed):
+    """Outage(shard, away_s): the packed folder behind a server that goes away mid-shard."""
+    made: list[Outage] = []
+
+    def start(shard: str, away_s: float | None) -> Outage:
+        made.append(Outage(packed, shard, away_s))
+        return made[-1]
+
+    yield start
+    for server in made:
+        server.stop()
+
+
+def test_a_server_away_for_a_second_is_waited_for(outage):
+    """Killed mid-shard and started again a second later: the reads retry until it is back
+    (fsspec's HTTP client says FileNotFoundError for a refused connection: that read was
+    taken for a shard deleted, and the command ended at once)."""
+    shard = "/train-000001.tar"
+    server = outage(shard, away_s=1.0)
+    result = invoke("data", "verify", server.url, "--json", "--workers", "1")
+    assert result.returncode == 0, result.stderr
+    assert all(check["status"] == "ok" for check in json.loads(result.stdout)["shards"])
+    assert [start for path, start in server.requests if path == shard] == [0, 4096]
+
+
+def test_a_server_that_stays_away_ends_with_one_line_after_the_retries(outage, monkeypatch):
+    from ddpcli.data.shards import storage
+
+    monkeypatch.setattr(storage, "RETRY_PAUSE_S", 0.01)
+    shard = "/train-000001.tar"
+    server = outage(shard, away_s=None)
+    result = invoke("data", "verify", server.url, "--workers", "1")
+    assert result.returncode == 1, result.stderr
+    line = one_line(result)
+    assert f"{server.url}{shard}" in line and f"{storage.READ_TRIES} tries" in line, line
+    assert f"cannot connect to 127.0.0.1:{server.port}" in line, line
+    assert "not there any more" not in line
+
+
+class IndexHandler(RangeHandler):
+    """The server goes away once the launcher has read index.json: the first rank to ask
+    for it again waits (it is still reading when the other rank fails), every later request
+    is cut unanswered. Each reader of the index asks HEAD first."""
+
+    def do_HEAD(self) -> None:  # noqa: N802 (http.server's name)
+        server = self.server
+        if self.path == "/index.json":
+            server.index_readers += 1  # type: ignore[attr-defined]
+            if server.index_readers == 2:  # type: ignore[attr-defined]
+                server.release.wait(60)  # type: ignore[attr-defined]
+                return  # its reader was stopped meanwhile
+            if server.index_readers > 2:  # type: ignore[attr-defined]
+                server.gone = True  # type: ignore[attr-defined]
+        if not self.hung_up():
+            super().do_HEAD()
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        if not self.hung_up():
+            super().do_GET()
+
+    def hung_up(self) -> bool:
+        if not self.server.gone:  # type: ignore[attr-defined]
+            return False
+        self.connection.shutdown(socket.SHUT_RDWR)
+        self.close_connection = True
+        return True
+
+
+def test_a_server_gone_after_the_launchers_check_is_a_run_time_failure_without_stacks(
+    packed, tmp_path
+):
+    """Exit 1 (it was there when the launcher checked), the failed rank's line, and no
+    stack from the rank the agent stopped while it was still reading (it printed 40 lines
+    of faulthandler's, and the command ended with exit 2, as for bad input)."""
+
+    class Handler(IndexHandler):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, directory=str(packed), **kwargs)
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.requests, server.cuts = [], {}  # type: ignore[attr-defined]
+    server.index_readers, server.gone = 0, False  # type: ignore[attr-defined]
+    server.release = threading.Event()  # type: ignore[attr-defined]
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        result = run_cli(
+            "train", "--data-dir", url, "--cpu", "--nproc", "2", "--arch", "tinycnn",
+            "--image-size", "16", "--per-gpu-batch", "2", "--epochs", "1", "--workers", "0",
+            "--out", str(tmp_path / "run"), timeout=180,
+        )  # fmt: skip
+    finally:
+        server.release.set()  # type: ignore[attr-defined]
+        server.shutdown()
+        server.server_close()
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert server.index_readers >= 3  # type: ignore[attr-defined] # the launcher, both ranks
+    for stack in ("Traceback", "Thread 0x", "Current thread", "most recent call first"):
+        assert stack not in result.stderr, result.stderr[-3000:]
+    failed = [line for line in result.stderr.splitlines() if f"cannot reach {url}" in line]
+    assert len(failed) == 1 and failed[0].startswith("error: rank "), result.stderr[-3000:]
+    assert "failed first: exit code 1 (then rank " in result.stderr, result.stderr[-3000:]

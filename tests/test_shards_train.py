@@ -39,6 +39,7 @@ from ddpcli.data.shards.index import (
     index_document,
     index_from_document,
     read_index,
+    split_stamp,
 )
 from ddpcli.data.shards.plan import (
     after_consumed,
@@ -168,7 +169,7 @@ SETTINGS = [
 ]  # fmt: skip
 
 
-def test_stopped_at_3_ranks_and_resumed_at_2_each_sample_once(packed, tmp_path):
+def test_stopped_at_3_ranks_and_resumed_at_2_each_sample_once(packed, tmp_path, in_process):
     out, trace = tmp_path / "run", tmp_path / "trace"
     env = {"DDPCLI_TRACE_SAMPLES": str(trace)}
     # No --dataset: a --data-dir that holds index.json is read as shards.
@@ -188,6 +189,8 @@ def test_stopped_at_3_ranks_and_resumed_at_2_each_sample_once(packed, tmp_path):
     position = safe_load(out / "checkpoints" / "last.pt")["stream_position"]
     pieces = [tuple(piece) for piece in position["pieces"]]
     assert len(position["plan"]["streams"]) == 6 and pieces_length(pieces) == 35 - 2 * 2 * 3
+    assert position["index"] == split_stamp(read_index(packed).splits["train"])
+    refuse_a_resume_over_other_shards(packed, out, tmp_path, in_process)
 
     second = run_cli("train", *SETTINGS, "--data-dir", str(packed), "--nproc", "2",
                      "--workers", "1", "--resume", "auto", "--out", str(out), env=env,
@@ -257,6 +260,42 @@ def test_a_host_joining_then_lost_mid_epoch_and_each_sample_is_still_trained_onc
     # The survivor ends every epoch from the one it restarted in.
     worlds = [m["world_size"] for m in read_metrics(out)]
     assert len(worlds) == 3 and worlds[lost_epoch:] == [1] * (3 - lost_epoch), logs
+
+
+def refuse_a_resume_over_other_shards(packed: Path, out: Path, tmp_path: Path, in_process) -> None:
+    """The same images packed again (another --seed: the same counts, other contents; another
+    --shard-size: other counts): the checkpoint's stream position counts the samples of the
+    shards it was saved with, so the rest of its epoch would train some twice and others
+    never. Refused before any worker starts (exit 2, one line, saying what changed), and by
+    every rank that reads the position (a launcher that skipped the check)."""
+    from ddpcli.data.shards.checks import check_resumed_index
+    from ddpcli.errors import DdpcliError
+
+    checkpoint = out / "checkpoints" / "last.pt"
+    for name, size, seed in (("seed", "24KB", "3"), ("size", "40KB", "0")):
+        again = tmp_path / f"repacked-{name}"
+        result = in_process("data", "pack", str(packed.parent / "src"), str(again),
+                            "--shard-size", size, "--seed", seed, "--workers", "1")  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        result = in_process("train", *SETTINGS, "--data-dir", str(again), "--nproc", "2",
+                            "--resume", "auto", "--out", str(out), "--dry-run")  # fmt: skip
+        lines = result.stderr.strip().splitlines()
+        assert result.returncode == 2 and len(lines) == 1, result.stderr
+        assert lines[0].startswith(
+            f"error: cannot resume from {checkpoint} inside epoch 1: the "
+            f"train shards at {again} are not those it was saved with ("
+        )
+        if name == "seed":
+            assert "shards of 36 samples, other contents)" in lines[0], lines[0]
+        else:
+            assert re.search(r"\(4 shards of 36 samples then, \d shards of 36 samples now\)",
+                             lines[0]), lines[0]  # fmt: skip
+        assert "some would be trained twice, others never" in lines[0]
+        position = safe_load(checkpoint)["stream_position"]
+        with pytest.raises(DdpcliError) as raised:
+            stamp = split_stamp(read_index(again).splits["train"])
+            check_resumed_index(position, stamp, shard_store(again), "the checkpoint")
+        assert raised.value.exit_code == 2 and raised.value.every_rank
 
 
 # The world of 2's progress lines (a world of 1 runs 17 micro-batches an epoch), and the

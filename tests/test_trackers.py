@@ -9,7 +9,9 @@ in a finalizer; W&B runs offline and its run file is read back. Nothing reaches 
 from __future__ import annotations
 
 import csv
+import glob
 import json
+import shlex
 import signal
 import struct
 import subprocess
@@ -27,6 +29,7 @@ from ddpcli.outputs.trackers.base import Tracker
 
 # MLflow 3 reports its own use to the internet unless told not to: no test may reach it.
 OFFLINE = {"MLFLOW_DISABLE_TELEMETRY": "true", "DO_NOT_TRACK": "true"}
+WANDB_OFFLINE = {"WANDB_MODE": "offline"}  # no W&B credentials: offline, in OUT/wandb
 SERVER_START_S = 180  # mlflow server imports a lot: on a busy CI core it takes a while
 TINY = [
     "train", "--cpu", "--arch", "tinycnn", "--image-size", "16", "--per-gpu-batch", "16",
@@ -99,7 +102,7 @@ def mlflow_history(client, run_id: str, keys) -> dict[str, list[tuple[int, float
     }
 
 
-# --- MLflow and CSV across a preemption and a world change ----------------------------------
+# --- MLflow, CSV and W&B offline across a preemption and a world change --------------------
 
 
 def test_preempted_run_resumed_at_another_world_is_one_mlflow_run_equal_to_the_files(
@@ -110,12 +113,13 @@ def test_preempted_run_resumed_at_another_world_is_one_mlflow_run_equal_to_the_f
     out = tmp_path / "run"
     settings = [
         *TINY, "--synthetic-size", "1024", "--epochs", "2", "--out", str(out),
-        "--tracker", "mlflow,csv", "--tracking-uri", mlflow_uri, "--experiment", "preempted",
-        "--tracker-checkpoints", "--save-every-steps", "4", "--preempt-signal", "USR1",
+        "--tracker", "mlflow,csv,wandb", "--tracking-uri", mlflow_uri,
+        "--experiment", "preempted", "--tracker-checkpoints", "--save-every-steps", "4",
+        "--preempt-signal", "USR1",
     ]  # fmt: skip
     command = [sys.executable, "-m", "ddpcli", *settings, "--nproc", "2"]
     # Rank 0's data is slowed so that the signal lands inside the first epoch.
-    run = LiveProcess(command, clean_env(DDPCLI_SLOW_DATA="0:0.05", **OFFLINE))
+    run = LiveProcess(command, clean_env(DDPCLI_SLOW_DATA="0:0.05", **OFFLINE, **WANDB_OFFLINE))
     try:
         run.wait_for("epoch 1/2 step 6/", 180)
         run.process.send_signal(signal.SIGUSR1)
@@ -131,7 +135,9 @@ def test_preempted_run_resumed_at_another_world_is_one_mlflow_run_equal_to_the_f
     with open(out / "steps.jsonl", "a") as handle:
         handle.write(json.dumps(past) + "\n")
 
-    resumed = run_cli(*settings, "--nproc", "3", "--resume", "auto", timeout=300, env=OFFLINE)
+    resumed = run_cli(
+        *settings, "--nproc", "3", "--resume", "auto", timeout=300, env={**OFFLINE, **WANDB_OFFLINE}
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "world 2 -> 3" in resumed.stderr
     assert "--tracker mlflow: run " in resumed.stderr
@@ -169,6 +175,65 @@ def test_preempted_run_resumed_at_another_world_is_one_mlflow_run_equal_to_the_f
     summary = json.loads((out / "summary.json").read_text())
     assert summary["trackers"]["mlflow"] == {"run_id": run_info.info.run_id}
 
+    # W&B offline: each part wrote a folder of its own, and the upload command names both,
+    # which together hold every row of the files, none twice.
+    (sync_line,) = [line for line in resumed.stderr.splitlines() if "wandb sync " in line]
+    named = shlex.split(sync_line.split("wandb sync ", 1)[1])
+    folders = sorted(Path(path) for pattern in named for path in glob.glob(pattern))
+    assert len(folders) == 2 and folders == sorted((out / "wandb").glob("offline-run-*"))
+    history: dict[str, list[tuple[int, float]]] = {}
+    for folder in folders:
+        (run_file,) = folder.glob("run-*.wandb")
+        for key, values in wandb_history(run_file).items():
+            history[key] = sorted(history.get(key, []) + values)
+    assert history == {**expected_history(steps, "step"), **expected_history(epochs, "epoch")}
+    for part in (run.stderr, resumed.stderr):  # W&B's own chatter stays out of the run's lines
+        assert not [line for line in part.splitlines() if line.startswith("wandb:")], part
+
+
+# --- a resume pointed at a store that lacks the checkpoint's run --------------------------
+
+
+def test_a_resume_against_another_mlflow_store_starts_a_run_there_with_every_row(
+    mlflow_uri, tmp_path, monkeypatch, capsys
+):
+    from mlflow.tracking import MlflowClient
+
+    from ddpcli.outputs.trackers.mlflow_tracker import NETWORK_SETTINGS
+
+    for name, value in {**OFFLINE, **NETWORK_SETTINGS}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(fanout, "RETRY_FIRST_S", 0.05)
+    monkeypatch.setattr(fanout, "EXIT_WAIT_S", 10.0)
+    store = mlflow_uri  # the module's server (beside the test above, for xdist): made once
+    earlier = [
+        ("step", {"step": 2, "epoch": 1, "train_loss": 2.0}),
+        ("step", {"step": 4, "epoch": 1, "train_loss": 1.5}),
+        ("epoch", {"step": 4, "epoch": 1, "val_acc": 0.25}),
+        ("epoch", {"step": 5, "epoch": 2, "val_acc": 0.5, "partial": True}),  # CSV's only
+    ]
+    first_id = "0123456789abcdef0123456789abcdef"  # the run the checkpoint names, elsewhere
+    run_ids = {"mlflow": first_id}
+    trackers = fanout.Trackers(["mlflow"], run_ids)
+    trackers.start(fanout.Opening(tmp_path, "moved", "run", store, {}, {}, earlier=earlier))
+    trackers.step_row({"step": 6, "epoch": 2, "train_loss": 1.0})
+    trackers.checkpoint_saved(6)
+    report = trackers.rows_report()
+    trackers.finish([], "finished")
+
+    client = MlflowClient(tracking_uri=store)
+    (run,) = client.search_runs([client.get_experiment_by_name("moved").experiment_id])
+    assert run.info.run_id == run_ids["mlflow"] != first_id  # the next checkpoint keeps it
+    assert run.info.status == "FINISHED"
+    assert mlflow_history(client, run.info.run_id, ["step/train_loss", "epoch/val_acc"]) == {
+        "step/train_loss": [(2, 2.0), (4, 1.5), (6, 1.0)],
+        "epoch/val_acc": [(4, 0.25)],
+    }
+    assert report == {"trackers": {"mlflow": {"run_id": run.info.run_id}}}
+    said = " ".join(capsys.readouterr().err.split())
+    assert f"the checkpoint's run {first_id} is not in {store}" in said, said
+    assert f"new run {run.info.run_id}" in said
+
 
 # --- a tracker that cannot be reached; W&B offline ------------------------------------------
 
@@ -193,6 +258,7 @@ def test_unreachable_mlflow_costs_nothing_and_wandb_offline_holds_the_rows(tmp_p
     assert summary["trackers"]["mlflow"]["not_sent"].startswith("steps 2-8 (4 rows)")
     assert "--tracker wandb: offline run" in result.stderr
     assert "wandb sync " in result.stderr.splitlines()[-1] or "wandb sync " in result.stderr
+    assert "Symlinked" not in result.stderr  # W&B's warning for each file it was given
 
     (run_file,) = (out / "wandb").glob("offline-run-*/run-*.wandb")
     history = wandb_history(run_file)
@@ -265,6 +331,45 @@ def test_an_unknown_tracker_and_an_unreachable_strict_one_exit_2(tmp_path):
     assert f"invalid --tracking-uri: the MLflow server at {dead} does not answer" in strict.stderr
     assert "Traceback" not in strict.stderr
     assert not (tmp_path / "run" / "checkpoints").exists()  # no worker started
+
+
+def test_a_tracking_uri_mlflow_can_never_open_exits_2_naming_the_forms(
+    in_process, tmp_path, monkeypatch
+):
+    for name in ("MLFLOW_TRACKING_URI", "MLFLOW_ALLOW_FILE_STORE"):
+        monkeypatch.delenv(name, raising=False)
+    train = ["train", "--cpu", "--tracker", "mlflow", "--dry-run", "--out", str(tmp_path / "run")]
+    cases = {
+        "foo://bar": "MLflow has no store for foo://",
+        "not a uri at all": "it reads as a folder",
+        "http://": "a tracking server's URI names its host",
+    }
+    for uri, why in cases.items():
+        result = in_process(*train, "--tracking-uri", uri)
+        said = " ".join(result.stderr.split())
+        assert result.returncode == 2, result.stderr
+        assert f"invalid --tracking-uri {uri!r}: {why}" in said, said
+        assert "http(s)://HOST:PORT" in said and "sqlite:///PATH.db" in said
+        assert "Traceback" not in result.stderr
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "foo://bar")
+    from_env = in_process(*train)
+    assert from_env.returncode == 2, from_env.stderr
+    assert "invalid MLFLOW_TRACKING_URI 'foo://bar'" in " ".join(from_env.stderr.split())
+
+
+def test_a_tracking_uri_without_the_mlflow_tracker_exits_2(in_process, tmp_path, monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    train = ["train", "--cpu", "--dry-run", "--out", str(tmp_path / "run")]
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    for trackers in ([], ["--tracker", "csv,tensorboard"]):
+        result = in_process(*train, *trackers, "--tracking-uri", store)
+        said = " ".join(result.stderr.split())
+        assert result.returncode == 2, result.stderr
+        assert "invalid --tracking-uri: it is MLflow's store" in said, said
+        assert "add mlflow to --tracker" in said
+    # MLflow's own variable may be set for other tools: a run without MLflow leaves it be.
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
+    assert in_process(*train, "--tracker", "csv").returncode == 0
 
 
 def test_help_imports_neither_mlflow_nor_wandb():

@@ -35,7 +35,7 @@ from ddpcli.checkpoint.loading import (
     strip_ddp_prefix,
 )
 from ddpcli.checkpoint.report import (
-    check_writable_file,
+    check_out_file,
     count_parameters,
     infer_num_classes,
     load_hint,
@@ -180,11 +180,7 @@ def rebuild_model(source: ModelSource, arch: str | None, trust_code: bool) -> tu
 
 def export_checkpoint(cfg: ConvertConfig) -> dict[str, Any]:
     """Write CFG.out in CFG.to's format; exported graphs are checked before OUT appears."""
-    if cfg.out.resolve() == cfg.path.resolve():
-        raise usage_error(
-            f"OUT must differ from PATH: converting {cfg.path} in place would lose it"
-        )
-    check_writable_file(cfg.out)
+    check_out_file(cfg.path, cfg.out, cfg.overwrite)
     check_export_modules(cfg.to)
     source = read_model_source(cfg.path, cfg.weights)
     if cfg.arch and cfg.arch != source.metadata.get("arch"):  # the user's word: recorded too

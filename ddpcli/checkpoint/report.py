@@ -21,6 +21,7 @@ from ddpcli.checkpoint.loading import (
     strip_ddp_prefix,
     unchecked_digest_reason,
 )
+from ddpcli.checkpoint.safetensors_io import is_safetensors_file, read_safetensors
 from ddpcli.checkpoint.schema import FORMAT, TRAINING_KEYS, checkpoint_kind, weights_only_payload
 from ddpcli.checkpoint.trust import model_to_rebuild
 from ddpcli.errors import first_line, runtime_error, usage_error
@@ -115,12 +116,17 @@ def verify_checkpoint(
     model is rebuilt from the file's config only as `model_to_rebuild` allows: an import
     path there runs nothing unless ARCH names it too or TRUST_CODE is given."""
     path = Path(path)
-    payload = safe_load(path, lazy=True)
+    if is_safetensors_file(path):  # tensors and a JSON header: nothing to unpickle
+        payload, header = read_safetensors(path)
+        loaded = "safetensors: tensors and a JSON header, nothing unpickled"
+    else:
+        payload, header = safe_load(path, lazy=True), None
+        loaded = "weights_only=True"
     checks = [
-        {"check": "safe load", "status": "pass", "detail": "weights_only=True"},
+        {"check": "safe load", "status": "pass", "detail": loaded},
         _check_digest(path),
         _check_finite(payload),
-        _check_model(payload, arch, num_classes, trust_code),
+        _check_model(payload, arch, num_classes, trust_code, header),
         _check_training_state(payload),
     ]
     return {
@@ -154,17 +160,21 @@ def _check_finite(payload: Any) -> dict[str, str]:
 
 
 def _check_model(
-    payload: Any, arch: str | None, num_classes: int | None, trust_code: bool
+    payload: Any,
+    arch: str | None,
+    num_classes: int | None,
+    trust_code: bool,
+    header: dict[str, Any] | None = None,
 ) -> dict[str, str]:
     state = model_state(payload)
     if state is None:
         return {"check": "model", "status": "fail", "detail": "no model state dict found"}
-    saved = training_summary(payload) if isinstance(payload, dict) else {}
-    choice = model_to_rebuild(saved.get("config"), arch, trust_code)
+    recorded, recorded_classes = recorded_model(payload, header)
+    choice = model_to_rebuild(recorded, arch, trust_code)
     if choice.arch is None:
         return {"check": "model", "status": "skip", "detail": choice.reason}
     state = strip_ddp_prefix(state)
-    classes = num_classes or saved.get("num_classes") or infer_num_classes(state)
+    classes = num_classes or recorded_classes or infer_num_classes(state)
     try:
         model = build_model_skeleton(choice.arch, classes, choice.model_args)
     except Exception as error:  # an unknown arch is a verdict on the file, not a crash
@@ -175,6 +185,16 @@ def _check_model(
     arguments = "".join(f", {key}={value!r}" for key, value in choice.model_args.items())
     detail = f"{choice.arch}(num_classes={classes}{arguments}) accepts all {len(state)} tensors"
     return {"check": "model", "status": "pass", "detail": detail}
+
+
+def recorded_model(payload: Any, header: dict[str, Any] | None) -> tuple[dict[str, Any], Any]:
+    """What the file says its model is (arch, model_args) and how many classes it has: a
+    ddpcli checkpoint in its config, a safetensors file in its HEADER (as convert, eval and
+    --init-from read it), a plain state dict nothing."""
+    if header is not None:
+        return header, header.get("num_classes")
+    saved = training_summary(payload) if isinstance(payload, dict) else {}
+    return saved.get("config") or {}, saved.get("num_classes")
 
 
 def _check_training_state(payload: Any) -> dict[str, str]:
@@ -221,14 +241,13 @@ def convert_checkpoint(
     strip_prefix: bool = False,
     weights_only: bool = False,
     weights: str | None = None,
+    overwrite: bool = False,
 ) -> dict[str, Any]:
     """A plain state dict (what `model.load_state_dict` takes), or with `weights_only` our
     checkpoint without optimizer, scheduler and RNG state. Either way on the CPU. WEIGHTS
     picks the EMA's or the trained ones (`deployed_state`: the EMA's when saved)."""
     path, out = Path(path), Path(out)
-    if out.resolve() == path.resolve():
-        raise usage_error(f"OUT must differ from PATH: converting {path} in place would lose it")
-    check_writable_file(out)
+    check_out_file(path, out, overwrite)
     payload = safe_load(path, lazy=True)
     state, which = deployed_state(payload, weights)
     if state is None:
@@ -266,11 +285,20 @@ def convert_checkpoint(
     }
 
 
-def check_writable_file(out: Path) -> None:
-    """OUT names a file in a folder this process can write in: else exit 2 naming it."""
+def check_out_file(path: Path, out: Path, overwrite: bool) -> None:
+    """OUT is a new file (or --overwrite) other than PATH, in a folder this process can write
+    in: else exit 2 naming it. An OUT that exists may be a resumable checkpoint (last.pt
+    named by a slip), whose optimizer and RNG state no conversion can give back."""
+    if out.resolve() == path.resolve():
+        raise usage_error(f"OUT must differ from PATH: converting {path} in place would lose it")
     if out.is_dir():
         raise usage_error(
             f"invalid OUT: {out} is a folder; give a file name, e.g. {out / 'model.pt'}"
+        )
+    if out.exists() and not overwrite:
+        raise usage_error(
+            f"invalid OUT: {out} exists and is kept; give another name, or --overwrite to "
+            "replace it"
         )
     problem = folder_write_problem(out.parent)
     if problem:

@@ -352,7 +352,13 @@ def check_resume_source(cfg: TrainConfig) -> str | None:
     stamp = file_stamp(path)  # before any read: a file replaced meanwhile is hashed again
     payload = safe_load(path, lazy=True)
     check_training_payload(payload, path)
+    check_same_arch(payload, cfg.arch, path)
     check_same_optimizer(payload, cfg.optimizer, path)
+    if cfg.dataset == "shards" and cfg.data_dir is not None:
+        from ddpcli.data.shards.checks import check_resumed_shards
+
+        # A stream position saved inside an epoch is good for its own shards only.
+        check_resumed_shards(payload.get("stream_position"), cfg.data_dir, path)
     unchecked = unchecked_digest_reason(path, check_recorded_digest(path))
     if unchecked:
         ui.warn(f"cannot check {path} against its save's SHA-256, resuming anyway: {unchecked}")
@@ -368,6 +374,19 @@ def check_finite_payload(payload: dict[str, Any], path: Path) -> None:
         raise usage_error(
             f"cannot resume from {path}: it holds NaN or inf ({listed_briefly(bad)}); resume "
             "from an earlier checkpoint (`ddpcli checkpoint verify` checks each)"
+        )
+
+
+def check_same_arch(payload: dict[str, Any], wanted: str | None, path: Path) -> None:
+    """Another architecture's weights fail on every rank, after the launch, each rank listing
+    shapes that do not fit and none naming the architecture that would: refuse them here,
+    naming both (a `--resume auto` without the run's --arch gets the default one)."""
+    saved = (payload.get("config") or {}).get("arch")
+    if wanted is not None and isinstance(saved, str) and saved != wanted:
+        raise usage_error(
+            f"cannot resume from {path}: it was trained with --arch {saved}, this run asks for "
+            f"--arch {wanted}; resume with --arch {saved}, or give another --out to start a "
+            f"new {wanted} run"
         )
 
 

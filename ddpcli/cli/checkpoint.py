@@ -162,6 +162,13 @@ def convert(
     check_batch: Annotated[
         int | None, option("The larger batch the export is checked on.", default="4")
     ] = None,
+    overwrite: Annotated[
+        bool,
+        typer.Option(
+            "--overwrite",
+            help="Replace OUT if it exists (without it, an existing OUT is kept: exit 2).",
+        ),
+    ] = False,
     json_output: JsonFlag = False,
 ) -> None:
     """Write the weights as pt, safetensors, ONNX or pt2 files.
@@ -176,7 +183,7 @@ def convert(
         "path": path, "out": out, "to": to, "strip_ddp_prefix": strip_ddp_prefix,
         "weights_only": weights_only, "weights": weights, "arch": arch,
         "trust_checkpoint_code": trust_checkpoint_code, "image_size": image_size,
-        "tolerance": tolerance, "check_batch": check_batch,
+        "tolerance": tolerance, "check_batch": check_batch, "overwrite": overwrite,
     }  # fmt: skip
 
     def action() -> None:
@@ -200,7 +207,7 @@ def convert_to(cfg: ConvertConfig) -> dict[str, Any]:
         from ddpcli.checkpoint.report import convert_checkpoint
 
         return convert_checkpoint(
-            cfg.path, cfg.out, cfg.strip_ddp_prefix, cfg.weights_only, cfg.weights
+            cfg.path, cfg.out, cfg.strip_ddp_prefix, cfg.weights_only, cfg.weights, cfg.overwrite
         )
     from ddpcli.checkpoint.export import export_checkpoint
 

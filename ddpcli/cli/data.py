@@ -65,7 +65,10 @@ def pack(
         int | None, option("Seed of the order samples are spread over shards in.", default="0")
     ] = None,
     force: Annotated[
-        bool, typer.Option("--force", help="Replace the shards OUT already holds.")
+        bool,
+        typer.Option(
+            "--force", help="Replace the shards an earlier pack wrote in OUT (and only those)."
+        ),
     ] = False,
     json_output: JsonFlag = False,
 ) -> None:

@@ -212,6 +212,8 @@ def speed_words(report: dict[str, Any]) -> str:
 def per_class_table(rows: list[dict[str, Any]]):
     from rich.table import Table
 
+    from ddpcli.data.layout import shown_name
+
     present = [row for row in rows if row["support"]]
     shown = present
     title = "per class"
@@ -223,7 +225,7 @@ def per_class_table(rows: list[dict[str, Any]]):
         table.add_column(column, justify="left" if column == "class" else "right")
     for row in shown:
         table.add_row(
-            str(row["class"]), percent(row["precision"]), percent(row["recall"]),
+            shown_name(str(row["class"])), percent(row["precision"]), percent(row["recall"]),
             percent(row["f1"]), str(row["support"]),
         )  # fmt: skip
     return table

@@ -42,6 +42,7 @@ class ConvertConfig(CommandConfig):
     )
     tolerance: float = Field(DEFAULT_TOLERANCE, ge=0)
     check_batch: int = Field(4, ge=2, le=1024, description="the larger batch of the check")
+    overwrite: bool = Field(False, description="replace OUT when it exists")
 
     @model_validator(mode="after")
     def _consistent(self) -> ConvertConfig:

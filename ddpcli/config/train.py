@@ -524,6 +524,11 @@ class TrainConfig(Membership, CommandConfig):
                 "invalid --momentum: it is SGD's; AdamW's momentum is its --betas (drop "
                 "--momentum, or use --optimizer sgd)"
             )
+        if self.tracking_uri is not None and "mlflow" not in self.tracker:
+            raise ValueError(
+                "invalid --tracking-uri: it is MLflow's store, and no --tracker mlflow sends "
+                "to it; add mlflow to --tracker, or drop --tracking-uri"
+            )
         if self.reset_head and self.init_from is None:
             raise ValueError("invalid --reset-head: it applies to the weights of --init-from PATH")
         if self.custom_dataset and self.data_path == "device":
@@ -736,6 +741,28 @@ def check_shards_settings(cfg: TrainConfig) -> None:
         )
 
 
+def check_recipe_types(settings: dict[str, Any], recipe: Path | None) -> None:
+    """A flag's type is Typer's to check; a recipe's, as strictly, here: every setting of it,
+    those a flag overrides too (the file is wrong whatever the flags beside it, and the next
+    run without that flag would meet the value)."""
+    try:
+        check_strict_types(TrainConfig, settings, text_forms=("nnodes",))
+    except DdpcliError as error:
+        raise with_origins(error, dict.fromkeys(settings, f"recipe {recipe}")) from None
+
+
+def check_powersgd_start_step(cfg: TrainConfig, given: dict[str, Any]) -> None:
+    """--powersgd-start-step only delays PowerSGD: given for another compression it would do
+    nothing, as --momentum would with AdamW. (Its default of 1000 is on every config, so
+    what was given is the flags' and the recipe's word, not the field.)"""
+    if "powersgd_start_step" in given and powersgd_rank(cfg.grad_compression) is None:
+        raise usage_error(
+            "invalid --powersgd-start-step: it delays PowerSGD, and --grad-compression is "
+            f"{cfg.grad_compression}; add --grad-compression powersgd (or powersgd:RANK), or "
+            "drop --powersgd-start-step"
+        )
+
+
 def _resolved(value: Value | None, name: str) -> Value:
     if value is None:
         raise RuntimeError(f"TrainConfig.{name} read before ddpcli.launcher.resolve filled it in")
@@ -877,7 +904,6 @@ def build_train_config(
     from_flags = given(flags)
     kept = without_overridden(from_recipe, from_flags)
     values = {**from_pod, **kept, **from_flags}
-    recipe_in_effect = {name: value for name, value in kept.items() if name not in from_flags}
     if "precision_reason" in values:
         raise usage_error("precision_reason is not a setting; the run states why it chose one")
     if "requested_accumulate" in values:
@@ -899,10 +925,11 @@ def build_train_config(
     if env.get(SLOW_DATA_VARIABLE):
         values.setdefault("slow_data", parse_slow_data(env[SLOW_DATA_VARIABLE]))
     tracking_defaults(values, recipe, env)
+    check_recipe_types(from_recipe, recipe)
     try:
-        # A flag's type is Typer's to check; a recipe's, as strictly, here.
-        check_strict_types(TrainConfig, recipe_in_effect, text_forms=("nnodes",))
-        return validated(TrainConfig, values)
+        cfg = validated(TrainConfig, values)
+        check_powersgd_start_step(cfg, values)
+        return cfg
     except DdpcliError as error:
         overridden = {**from_recipe, **from_flags}
         origins = {name: pod for name, pod in pod_origins.items() if name not in overridden}
@@ -913,7 +940,8 @@ def build_train_config(
 def tracking_defaults(values: dict[str, Any], recipe: Path | None, env: Mapping[str, str]) -> None:
     """MLflow's own variable for its store, the recipe's name for the experiment, and W&B
     offline where no credentials are set (it would stop to ask for them)."""
-    if env.get("MLFLOW_TRACKING_URI"):
+    # MLflow's variable may be set for other tools: only a run that asks for MLflow takes it.
+    if env.get("MLFLOW_TRACKING_URI") and "mlflow" in str(values.get("tracker", "")):
         values.setdefault("tracking_uri", env["MLFLOW_TRACKING_URI"])
     if recipe is not None:
         values.setdefault("experiment", recipe.stem)

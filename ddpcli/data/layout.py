@@ -123,7 +123,13 @@ def holds_images(folder: Path) -> bool:
 
 def listed(names: list[str], limit: int = 5) -> str:
     more = f" and {len(names) - limit} more" if len(names) > limit else ""
-    return ", ".join(names[:limit]) + more
+    return ", ".join(map(shown_name, names[:limit])) + more
+
+
+def shown_name(name: str) -> str:
+    """A name (a class folder's, a file's) as a line shows it: quoted with its escapes when it
+    holds a newline or another character that would split the line or hide in it."""
+    return name if name.isprintable() else repr(name)
 
 
 def check_imagefolder(data_dir: Path) -> list[str]:

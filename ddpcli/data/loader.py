@@ -20,7 +20,12 @@ from ddpcli.data.layout import Augment, Sample, resize_side
 from ddpcli.data.resharding import split_in_batches
 from ddpcli.data.sets import ImageSet, centre_view_at
 from ddpcli.errors import USAGE, DdpcliError, agreed_error
-from ddpcli.process import ROOM_FOR_TMPDIR, die_with, multiprocessing_sockets_fit
+from ddpcli.process import (
+    ROOM_FOR_TMPDIR,
+    die_with,
+    leave_job_signals_to_parent,
+    multiprocessing_sockets_fit,
+)
 
 
 class KeyedImages(torch.utils.data.Dataset, abc.ABC):
@@ -230,8 +235,11 @@ def die_with_rank(rank_pid: int, worker_id: int) -> None:
     """A loader worker, forked after the process group formed, holds its rank's Gloo
     sockets: alive after its rank is killed, it keeps them open, so the peers wait in a
     collective until the worker's own check of its parent (every 5 s) ends it, instead of
-    failing at once. It dies with its rank."""
+    failing at once. It dies with its rank, and leaves a job's signals to it: one that killed
+    it (torch's own handler dies of a SIGTERM its rank did not send) failed the rank that was
+    about to save a preemption checkpoint."""
     die_with(rank_pid)
+    leave_job_signals_to_parent()
 
 
 def default_workers(local_world_size: int) -> int:

@@ -36,12 +36,12 @@ from ddpcli.data.layout import (
     stl10_present,
     training_augment,
 )
-from ddpcli.data.shards.index import ShardIndex, read_index
+from ddpcli.data.shards.index import ShardIndex
 from ddpcli.data.shards.plan import shard_table
 from ddpcli.data.shards.storage import shard_store
 from ddpcli.data.shards.stream import MemberBytes, shard_samples
 from ddpcli.dist import DistContext, all_gather_object, rank_zero_prepares
-from ddpcli.errors import USAGE, agreed_error, usage_error
+from ddpcli.errors import USAGE, DdpcliError, agreed_error, runtime_error, usage_error
 from ddpcli.files import atomic_save
 
 # In --out: the image files --skip-bad-images left out, one path a line.
@@ -368,10 +368,14 @@ def shard_splits(location: Path | str, ctx: DistContext, skip_bad_images: bool) 
     """The index of LOCATION, checked (ddpcli.data.shards.checks); with --skip-bad-images
     every image decoded once first, as the folder path's loader does, so that the epoch's
     sample count (and so every rank's steps) is known before the first step."""
-    from ddpcli.data.shards.checks import check_shard_index
+    from ddpcli.data.shards.checks import check_shard_source
 
-    index = read_index(location)
-    check_shard_index(index, shard_store(location))
+    try:
+        index = check_shard_source(location)
+    except DdpcliError as error:
+        # The launcher checked it: a failure now (the server gone since, a shard deleted)
+        # is a fault at run time, not bad input.
+        raise runtime_error(error.message) from None
     classes = index.splits["train"].classes
     splits = ShardSplits(str(location), index, len(classes), classes)
     if skip_bad_images:

@@ -20,6 +20,7 @@ PER_CLASS_FILE = "per_class.csv"
 CONFUSION_FILE = "confusion.csv"
 PICTURE_FILE = "confusion.png"
 PREDICTIONS_FILE = "predictions.csv"
+EVAL_FILES = (METRICS_FILE, PER_CLASS_FILE, CONFUSION_FILE, PICTURE_FILE, PREDICTIONS_FILE)
 
 
 def csv_text(rows: list[list[Any]]) -> str:
@@ -40,8 +41,10 @@ def write_eval_folder(
     names: list[str],
     with_predictions: bool,
 ) -> dict[str, str]:
-    """Every file of the folder; {what: path} for the report."""
+    """Every file of the folder; {what: path} for the report. An earlier eval's file that
+    this one does not write is removed: the folder holds one eval's figures, never a mix."""
     out.mkdir(parents=True, exist_ok=True)
+    earlier_eval = (out / METRICS_FILE).is_file()
     classes = report["classes"]
     files = {
         "metrics": out / METRICS_FILE,
@@ -66,7 +69,16 @@ def write_eval_folder(
     write_confusion_png(matrix, classes, files["confusion_png"], picture_title(report))
     if with_predictions:
         write_text_atomic(files["predictions"], predictions_text(outcomes, names, classes))
+    if earlier_eval:
+        remove_unwritten(out, set(files.values()))
     return written
+
+
+def remove_unwritten(out: Path, written: set[Path]) -> None:
+    for path in (out / name for name in EVAL_FILES):
+        if path not in written and path.is_file():
+            path.unlink()
+            ui.info(f"removed {path}: an earlier eval's, which this one does not write")
 
 
 def picture_title(report: dict[str, Any]) -> str:

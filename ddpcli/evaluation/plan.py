@@ -24,6 +24,7 @@ from ddpcli.checkpoint.loading import (
     safe_load,
     strip_ddp_prefix,
 )
+from ddpcli.checkpoint.report import infer_num_classes
 from ddpcli.checkpoint.schema import checkpoint_kind
 from ddpcli.checkpoint.trust import TRUST_FLAG, model_to_rebuild
 from ddpcli.config.data import is_url
@@ -49,6 +50,8 @@ from ddpcli.launcher.resolve import check_writable_folder
 NATIVE_IMAGE_SIZE = {"synthetic": 32, "stl10": STL10_SIDE}
 FOLDER_IMAGE_SIZE = 224
 RESULT_FILE = "result.json"  # rank 0's report, in the launch's private folder
+# What `checkpoint convert` writes for other runtimes, which eval does not run.
+EXPORTED_GRAPHS = {".onnx": "an ONNX model", ".pt2": "a torch.export program"}
 
 
 @dataclass
@@ -95,7 +98,8 @@ def make_plan(cfg: EvalConfig) -> EvalPlan:
     choice = model_to_rebuild(saved, cfg.arch, cfg.trust_checkpoint_code)
     if choice.arch is None:
         raise usage_error(f"cannot rebuild the model of {cfg.checkpoint}: {choice.reason}")
-    check_weights_fit(state, choice.arch, choice.model_args, len(classes), cfg.checkpoint)
+    where = data_words(dataset, data_dir, cfg.split)
+    check_weights_fit(state, choice.arch, choice.model_args, classes, cfg.checkpoint, where)
     image_size, resize, crop = view_sizes(cfg, saved, dataset)
     precision, precision_reason = chosen_precision(cfg, saved)
     plan_view = {
@@ -139,6 +143,7 @@ def read_checkpoint(path: Path) -> dict[str, Any]:
     (memory-mapped); exit 2 for a file that is neither."""
     if path.suffix == ".safetensors":
         return safetensors_payload(path)
+    check_not_an_export(path)
     payload = safe_load(path, lazy=True)
     check_recorded_digest(path)
     kind = checkpoint_kind(payload)
@@ -152,6 +157,18 @@ def read_checkpoint(path: Path) -> dict[str, Any]:
     if kind == "state-dict" and not (isinstance(payload, dict) and "model" in payload):
         return {"model": model_state(payload)}
     return payload
+
+
+def check_not_an_export(path: Path) -> None:
+    """`checkpoint convert`'s graphs are for other runtimes: eval reads weights, and says so
+    rather than calling the file corrupt."""
+    kind = EXPORTED_GRAPHS.get(path.suffix.lower())
+    if kind is not None and path.is_file():
+        raise usage_error(
+            f"{path} is {kind} (`checkpoint convert --to {path.suffix.lower()[1:]}`); eval reads "
+            "a ddpcli checkpoint (.pt), a plain state dict or a .safetensors file: give the "
+            "checkpoint it was exported from, or convert that --to safetensors"
+        )
 
 
 def safetensors_payload(path: Path) -> dict[str, Any]:
@@ -245,20 +262,37 @@ def check_weights_fit(
     state: dict[str, torch.Tensor],
     arch: str,
     model_args: dict[str, Any],
-    num_classes: int,
+    classes: list[str],
     path: Path,
+    where: str,
 ) -> None:
-    """Exit 2 naming the first key that differs: missing, unexpected, or of another shape."""
+    """Exit 2 naming the first key that differs: missing, unexpected, or of another shape.
+    Weights that fit the model at their own classifier's width are of other classes than
+    the data's (a plain state dict does not name its classes): that is said, not --arch."""
+    problem = weights_mismatch(state, arch, model_args, len(classes))
+    if not problem:
+        return
+    trained_on = infer_num_classes(state) or len(classes)
+    if trained_on != len(classes) and not weights_mismatch(state, arch, model_args, trained_on):
+        raise usage_error(
+            f"the classes of {where} differ from the weights of {path}: it has "
+            f"{len(classes)} classes ({listed(classes)}), the weights' classifier "
+            f"{trained_on}; evaluate on data of the classes they were trained on"
+        )
+    raise usage_error(
+        f"the weights of {path} do not fit --arch {arch} with {len(classes)} classes: "
+        f"{problem}; name the architecture it was trained with (--arch)"
+    )
+
+
+def weights_mismatch(
+    state: dict[str, torch.Tensor], arch: str, model_args: dict[str, Any], num_classes: int
+) -> str | None:
     from ddpcli.models.build import build_model
 
     with torch.device("meta"):  # shapes only: nothing allocated, however large the model
         expected = build_model(arch, num_classes, model_args).state_dict()
-    problem = first_mismatch(expected, state)
-    if problem:
-        raise usage_error(
-            f"the weights of {path} do not fit --arch {arch} with {num_classes} classes: "
-            f"{problem}; name the architecture it was trained with (--arch)"
-        )
+    return first_mismatch(expected, state)
 
 
 def first_mismatch(expected: dict[str, Any], state: dict[str, torch.Tensor]) -> str | None:
@@ -380,12 +414,7 @@ def checked_classes(
     known = [str(name) for name in saved] if isinstance(saved, list) and saved else None
     count = payload.get("num_classes")
     found = data_classes(dataset, data_dir, split)
-    if dataset == "shards":
-        where = f"the {split} split of {data_dir}"
-    elif dataset == "imagefolder" and isinstance(data_dir, Path):
-        where = str(folder_of_split(data_dir, split))
-    else:
-        where = dataset
+    where = data_words(dataset, data_dir, split)
     if known is None:
         if found is None:
             return [f"class{index}" for index in range(int(count or 10))]
@@ -412,6 +441,15 @@ def checked_classes(
                 f"({listed(absent)}): they are counted with no support"
             )
     return known
+
+
+def data_words(dataset: str, data_dir: Path | str | None, split: str) -> str:
+    """The data measured, as a message names it: the split's folder, shards, or the set."""
+    if dataset == "shards":
+        return f"the {split} split of {data_dir}"
+    if dataset == "imagefolder" and isinstance(data_dir, Path):
+        return str(folder_of_split(data_dir, split))
+    return dataset
 
 
 def view_sizes(cfg: EvalConfig, saved: dict[str, Any], dataset: str) -> tuple[int, int, int]:

@@ -22,7 +22,6 @@ import signal
 import sys
 import traceback
 from pathlib import Path
-from typing import TextIO
 
 from ddpcli.errors import (
     INTERRUPTED,
@@ -37,7 +36,7 @@ from ddpcli.stacks import (
     finished_file_name,
     is_users_code,
     place_in_words,
-    stack_file_name,
+    stack_output,
 )
 
 USAGE_TEXT = "usage: python -m ddpcli.launcher.bootstrap [-m] SCRIPT.py|FOLDER|MODULE [ARGS...]"
@@ -107,17 +106,6 @@ def end_now(exit_code: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(exit_code)
-
-
-def stack_output(reports: str) -> TextIO:
-    """Where this rank writes its stack when the agent stops it: a file in the launcher's
-    folder REPORTS, which its report turns into a line (ddpcli.stacks), else stderr."""
-    if not reports:
-        return sys.stderr
-    try:
-        return open(Path(reports) / stack_file_name(int(os.environ["RANK"])), "w")  # noqa: SIM115
-    except (OSError, KeyError, ValueError):
-        return sys.stderr
 
 
 def script_finished(reports: str) -> None:

@@ -33,10 +33,13 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
-from ddpcli.process import PARENT_PID_VARIABLE, multiprocessing_sockets_fit
+from ddpcli.process import JOB_SIGNALS, PARENT_PID_VARIABLE, multiprocessing_sockets_fit
 
-# The signals elastic's agent catches (to pass on) and a forked child would inherit.
-_INHERITED_HANDLERS = (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1)
+# The signals elastic's agent catches (to pass on), which the fork server blocks
+# (FORK_SERVER_SETUP): a forked child would inherit either.
+_INHERITED_HANDLERS = JOB_SIGNALS
+# Preloaded first by the fork server: there it blocks a job's signals.
+FORK_SERVER_SETUP = "ddpcli.launcher.fork_server_setup"
 
 
 # A child of the fork server first runs the launcher's main script again (multiprocessing
@@ -60,7 +63,7 @@ def fork_server(module: str) -> Iterator[str]:
     from multiprocessing import forkserver
 
     started_earlier = fork_server_pid() is not None  # in this command, by an outer use
-    forkserver.set_forkserver_preload([module, LAUNCHER_MAIN])
+    forkserver.set_forkserver_preload([FORK_SERVER_SETUP, module, LAUNCHER_MAIN])
     forkserver.ensure_running()  # also starts a new one if the earlier one died
     pid = fork_server_pid()
     assert pid is not None
@@ -93,6 +96,9 @@ def start_forked_worker(parent_pid: str, env: dict[str, str], module: str, *argv
     for signum in _INHERITED_HANDLERS:
         signal.signal(signum, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    # Blocked in the server (ddpcli.launcher.fork_server_setup): one that came since the fork
+    # is delivered now, as it would have been to a worker started as a program.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _INHERITED_HANDLERS)
     name_process(f"ddpcli rank {os.environ.get('RANK', '?')}")
     importlib.import_module(module).main([module, *argv])
 

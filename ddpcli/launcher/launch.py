@@ -196,8 +196,11 @@ class WorkerJob:
     # take SIGTERM as a preemption (ddpcli.launcher.peer_failure); None: their SIGTERM ends them.
     peer_failed_notice: Path | None = None
     # Workers that write their stack to a file when stopped (ddpcli.launcher.bootstrap), for the
-    # report to say where they were; else they print it (ddpcli.training.worker).
+    # report to say where they were; else they print it.
     stacks_to_report: bool = False
+    # The same, in a folder the workers know without being told (ddpcli.training.worker's:
+    # the one of its config).
+    stacks_dir: Path | None = None
     # torchrun's flags as `ddpcli launch` takes them: which output goes to --log-dir's files
     # (None: all of it) and which the terminal also shows (None: rank 0's, every error),
     # the local ranks the terminal shows (None: all), the rendezvous's own settings, the
@@ -330,6 +333,8 @@ def run_workers(job: WorkerJob, debug: bool = False) -> None:
 
 def stacks_folder(job: WorkerJob, scratch: Path) -> Path | None:
     """Where the workers write their stacks when stopped, named to them by a variable."""
+    if job.stacks_dir is not None:
+        return job.stacks_dir
     if not job.stacks_to_report:
         return None
     folder = scratch / "stacks"
@@ -565,6 +570,7 @@ def _launch_elastic(cfg: TrainConfig, debug: bool) -> dict[str, Any]:
             log_dir=str(cfg.log_dir) if cfg.log_dir else None,
             settings=settings_every_node_shares(cfg),
             peer_failed_notice=Path(private) / PEER_FAILED_FILE,
+            stacks_dir=Path(private),
         )
         try:
             run_workers(job, debug)

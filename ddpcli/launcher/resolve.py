@@ -27,7 +27,7 @@ from ddpcli.machine import (
 )
 from ddpcli.models.archs import check_arch
 from ddpcli.outputs.trackers import install_hint, missing_package
-from ddpcli.outputs.trackers.probe import check_reachable
+from ddpcli.outputs.trackers.probe import check_reachable, check_tracking_uri
 from ddpcli.training.precision import auto_cpu_precision, native_cpu_bf16
 
 # The side each data set is trained at unless --image-size says otherwise.
@@ -50,7 +50,8 @@ def check_tensorboard(cfg: TrainConfig) -> None:
 
 
 def check_trackers(cfg: TrainConfig, launcher: LauncherEnv | None) -> None:
-    """Each tracker's package is installed; with --tracker-strict, its server answers."""
+    """Each tracker's package is installed, MLflow's store is one it can open; with
+    --tracker-strict, its server answers."""
     check_tensorboard(cfg)
     for name in cfg.tracker:
         package = missing_package(name)
@@ -59,6 +60,7 @@ def check_trackers(cfg: TrainConfig, launcher: LauncherEnv | None) -> None:
                 f"invalid --tracker {name}: the {package} package is not installed; "
                 f"{install_hint(name)}, or drop {name} from --tracker"
             )
+    check_tracking_uri(cfg)
     if cfg.tracker_strict and (launcher is None or launcher.rank == 0):
         check_reachable(cfg)
 

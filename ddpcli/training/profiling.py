@@ -1,5 +1,9 @@
 """--profile-steps A:B: one torch.profiler trace per rank of the optimizer steps after step A
-up to step B, written to OUT/profile/rank{R}-{host}.pt.trace.json.
+up to step B, written to OUT/profile/steps{first}-{last}/rank{R}-{host}.pt.trace.json.
+
+The folder names the steps the trace holds: a run stopped inside the window (a preemption)
+and resumed writes the rest of the window into a folder of its own, beside the first part's,
+and each folder is one whole set of ranks, as Holistic Trace Analysis reads it.
 
 The trace is Chrome/Perfetto JSON (ui.perfetto.dev opens it; Holistic Trace Analysis reads a
 folder of them). Each step is one `ProfilerStep#N` span, N the step number steps.jsonl gives
@@ -35,8 +39,10 @@ PROFILE_FOLDER = "profile"
 TRACE_SUFFIX = ".pt.trace.json"  # HTA and TensorBoard's profiler plugin look for it
 
 
-def trace_path(out: Path, rank: int, host: str) -> Path:
-    return out / PROFILE_FOLDER / f"rank{rank}-{host}{TRACE_SUFFIX}"
+def trace_path(out: Path, steps: tuple[int, int], rank: int, host: str) -> Path:
+    """Where rank RANK's trace of STEPS (first, last) goes."""
+    first, last = steps
+    return out / PROFILE_FOLDER / f"steps{first}-{last}" / f"rank{rank}-{host}{TRACE_SUFFIX}"
 
 
 def step_profiler(
@@ -78,7 +84,6 @@ class StepProfiler:
         self.first_step = first_step
         self.out, self.ctx = out, ctx
         self.host = socket.gethostname()
-        self.path = trace_path(out, ctx.rank, self.host)
         self.profiler: torch.profiler.profile | None = None
         self.step_span: Any = None
         self.steps: list[int] = []
@@ -142,14 +147,15 @@ class StepProfiler:
             profiler.stop()
         if not write:
             return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        partial = self.path.with_name(self.path.name + ".part")
+        path = trace_path(self.out, (self.steps[0], self.steps[-1]), self.ctx.rank, self.host)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(path.name + ".part")
         profiler.export_chrome_trace(str(partial))
-        os.replace(partial, self.path)
+        os.replace(partial, path)
         if self.ctx.is_main:
             ui.info(
                 f"profile of steps {self.steps[0]}-{self.steps[-1]}: one trace per rank in "
-                f"{self.path.parent} (open in ui.perfetto.dev, or Holistic Trace Analysis)"
+                f"{path.parent} (open in ui.perfetto.dev, or Holistic Trace Analysis)"
             )
 
     def __enter__(self) -> StepProfiler:

@@ -50,6 +50,7 @@ from ddpcli.process import (
     recorded,
 )
 from ddpcli.records import AGREED_STOP_FILE, LATER_ROUND_FILE, PEER_FAILED_FILE
+from ddpcli.stacks import stack_output
 from ddpcli.training.loop import Trainer
 from ddpcli.training.precision import (
     auto_cpu_precision,
@@ -212,8 +213,11 @@ def continue_a_later_round(
 def main(argv: list[str]) -> None:
     die_with_parent()
     freeze_imported_objects()
-    # When the agent stops a stuck job (SIGTERM), say where this rank was waiting first.
-    faulthandler.register(signal.SIGTERM, chain=True)
+    # When the agent stops a stuck job (SIGTERM), where this rank was: in a file beside its
+    # config, which the launcher's report says in a line (most often, the rank was not
+    # stuck: another one failed, before the loop's own handling of the signal).
+    stacks = stack_output(Path(argv[1]).parent)
+    faulthandler.register(signal.SIGTERM, file=stacks, all_threads=True, chain=True)
     note_interrupts()
     note_failed_peers(Path(argv[1]).with_name(PEER_FAILED_FILE))
     cfg = TrainConfig.model_validate_json(Path(argv[1]).read_text())

@@ -28,6 +28,8 @@ import torch
 
 from ddpcli.data.loader import FolderDataset, die_with_rank, tmpdir_too_long
 from ddpcli.data.resharding import LEAST_BATCH, remaining_batch_sizes, remaining_steps
+from ddpcli.data.shards.checks import check_resumed_index
+from ddpcli.data.shards.index import split_stamp
 from ddpcli.data.shards.plan import (
     EpochPlan,
     Piece,
@@ -245,6 +247,7 @@ class ShardFeed:
         self.train_table = shard_table(train, splits.left_out.get("train"))
         self.val_table = shard_table(val, splits.left_out.get("val"))
         self.split_bytes = train.bytes
+        self.train_stamp = split_stamp(train)  # a position is only good for these shards
         self.buffer, self.buffer_given = self.agreed_buffer(cfg.shuffle_buffer)
         chunk = cfg.per_gpu_batch
         self.train_streams = ShardStreams(self.store, self.train_table, train_images, chunk)
@@ -359,10 +362,12 @@ class ShardFeed:
         )
         mine = after_consumed(self.current_parts, consumed)
         pieces = [list(piece) for share in all_gather_object(mine, self.ctx) for piece in share]
-        return {"plan": plan.document(), "pieces": pieces}
+        return {"plan": plan.document(), "pieces": pieces, "index": self.train_stamp}
 
     def follow(self, position: dict[str, Any] | None) -> None:
-        """A resume's stream position: the rest of its epoch is dealt from it."""
+        """A resume's stream position: the rest of its epoch is dealt from it, over the
+        shards it was saved with only (exit 2 on every rank otherwise)."""
+        check_resumed_index(position, self.train_stamp, self.store, "the checkpoint")
         self.resumed = position
 
     # --- what the header says

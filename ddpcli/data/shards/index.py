@@ -13,6 +13,7 @@ against and what a reader plans an epoch from, without opening a shard.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -63,6 +64,15 @@ class ShardIndex:
     def shards(self) -> list[tuple[str, ShardRecord]]:
         """Every shard with its split, in the index's order."""
         return [(name, shard) for name, split in self.splits.items() for shard in split.shards]
+
+
+def split_stamp(split: SplitIndex) -> dict[str, Any]:
+    """What tells one pack of a split from another: its shards and samples, and a SHA-256
+    over each shard's name, sample count and SHA-256 (the same shards in the same order
+    give the same, whatever packed them)."""
+    records = [[shard.name, shard.samples, shard.sha256] for shard in split.shards]
+    digest = hashlib.sha256(json.dumps(records).encode()).hexdigest()
+    return {"shards": len(split.shards), "samples": split.samples, "sha256": digest}
 
 
 def index_document(index: ShardIndex) -> dict[str, Any]:

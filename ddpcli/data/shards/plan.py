@@ -39,12 +39,14 @@ Item = TypeVar("Item")
 class ShardTable:
     """A split's shards as the reader needs them: names, samples, each shard's first sample
     number (its place in the index's order: a sample's number is the shard's first plus its
-    member's position) and, with --skip-bad-images, the positions of members left out."""
+    member's position), with --skip-bad-images the positions of members left out, and the
+    number of classes the index names (a member's class number must be below it)."""
 
     names: list[str]
     counts: list[int]
     firsts: list[int]
     left_out: dict[int, list[int]] = field(default_factory=dict)  # shard -> sorted positions
+    classes: int = 0  # 0: class numbers not checked
 
     def good(self, shard: int) -> int:
         """The samples of SHARD that are read (all but those left out)."""
@@ -62,7 +64,7 @@ def shard_table(split: SplitIndex, left_out: dict[int, list[int]] | None = None)
         firsts.append(total)
         total += count
     names = [record.name for record in split.shards]
-    return ShardTable(names, counts, firsts, dict(left_out or {}))
+    return ShardTable(names, counts, firsts, dict(left_out or {}), len(split.classes))
 
 
 def seeded_random(*parts: int | str) -> random.Random:

@@ -4,6 +4,7 @@ samples with a stable key each, in a seeded order, planned into shards of about 
 
 from __future__ import annotations
 
+import os
 import random
 from dataclasses import dataclass
 from pathlib import Path, PurePath
@@ -18,7 +19,7 @@ from ddpcli.data.layout import (
     stl10_labels,
     stl10_present,
 )
-from ddpcli.errors import usage_error
+from ddpcli.errors import DdpcliError, usage_error
 
 TAR_BLOCK = 512
 
@@ -59,12 +60,23 @@ def sample_key(relative: PurePath) -> str:
     return "/".join(part.replace(".", "%2E") for part in escaped)
 
 
+def stl10_binary(src: Path) -> Path | None:
+    """The folder of STL-10's binary files when SRC is STL-10 (it, or the folder holding it)."""
+    binary = src if src.name == "stl10_binary" else stl10_dir(src)
+    return binary if stl10_present(binary.parent) else None
+
+
+def source_folder(src: Path) -> Path:
+    """The folder the samples are read from: SRC, or for STL-10 its stl10_binary/."""
+    return stl10_binary(src) or src
+
+
 def find_source(src: Path) -> Source:
     """SRC's samples, or exit 2 saying what SRC should be."""
     if not src.is_dir():
         raise usage_error(f"invalid SRC: {src} does not exist or is not a folder")
-    binary = src if src.name == "stl10_binary" else stl10_dir(src)
-    if stl10_present(binary.parent):
+    binary = stl10_binary(src)
+    if binary is not None:
         return stl10_source(binary)
     if (src / "train").is_dir():
         return imagefolder_source(src)
@@ -84,13 +96,29 @@ def imagefolder_source(src: Path) -> Source:
                 label=label,
                 path=str(path),
                 suffix=path.suffix.lower().lstrip("."),
-                size=path.stat().st_size,
+                size=file_size(path),
             )
             for path, label in folder_samples(src / split, classes)
         ]
         check_unique_keys(items, src)
         splits[split] = SplitSource(classes, items)
     return Source("imagefolder", splits)
+
+
+def file_size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError as error:
+        raise unreadable_source(path, error) from None
+
+
+def unreadable_source(path: Path, error: OSError) -> DdpcliError:
+    """A file of SRC that cannot be read (a link to nothing, no permission): exit 2, naming
+    it, as `ddpcli train` names an image it cannot read."""
+    reason = error.strerror or str(error)
+    if path.is_symlink() and not path.exists():
+        reason = f"a symbolic link to {os.readlink(path)}, which does not exist"
+    return usage_error(f"cannot read {path}: {reason}; fix or delete it, then pack again")
 
 
 def check_unique_keys(items: list[PackItem], src: Path) -> None:

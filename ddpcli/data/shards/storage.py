@@ -141,7 +141,8 @@ class UrlShardStore(ShardStore):
 
     def said(self, error: BaseException) -> str:
         """An error of the file system in one line, without credentials."""
-        return redacted_url(first_line(error)).replace(self.location, self.shown)
+        words = connection_in_words(error) or first_line(error)
+        return redacted_url(words).replace(self.location, self.shown)
 
     def bucket(self) -> str | None:
         if self.scheme not in BUCKET_SCHEMES:
@@ -165,15 +166,22 @@ class UrlShardStore(ShardStore):
         except DdpcliError:
             raise
         except FileNotFoundError as error:
-            # fsspec's HTTP says FileNotFoundError for whatever stopped it, a refused
-            # connection too: only a 404 (410) is an absence.
-            cause = error.__cause__
-            http = self.scheme in ("http", "https")
-            if not http or cause is None or getattr(cause, "status", None) in (404, 410):
+            cause = self.behind(error)
+            if cause is error:
                 raise
             raise self.unreachable(cause) from None
         except Exception as error:
             raise self.unreachable(error) from None
+
+    def behind(self, error: BaseException) -> BaseException:
+        """The error to act on. fsspec's HTTP client says FileNotFoundError for whatever
+        stopped it, a refused connection too, with the real error as its cause: only a 404
+        (410), or no cause, is an absence."""
+        cause = error.__cause__
+        http = self.scheme in ("http", "https")
+        if not isinstance(error, FileNotFoundError) or not http or cause is None:
+            return error
+        return error if getattr(cause, "status", None) in (404, 410) else cause
 
     def unreachable(self, error: BaseException) -> DdpcliError:
         refused = isinstance(error, PermissionError) or getattr(error, "status", 0) in (401, 403)
@@ -261,8 +269,9 @@ class ResumingStream(io.RawIOBase):
                 if self.stream is None:
                     self.stream = self.open_at(self.offset)
                 data = self.stream.read(-1 if size is None else size)
-            except Exception as error:
+            except Exception as raised:
                 self.drop()
+                error = self.store.behind(raised)
                 if not retryable(error):
                     raise self.failed(error, attempt) from None
                 if attempt == READ_TRIES:
@@ -304,6 +313,16 @@ def retryable(error: BaseException) -> bool:
     if isinstance(status, int) and status in FINAL_STATUS and status not in RETRIED_STATUS:
         return False
     return isinstance(error, (OSError, asyncio.TimeoutError, *library_connection_errors()))
+
+
+def connection_in_words(error: BaseException) -> str | None:
+    """aiohttp's "Cannot connect to host H:P ssl:default [Connect call failed ('H', P)]"
+    said shorter; None for any other error."""
+    reason, host = getattr(error, "os_error", None), getattr(error, "host", None)
+    if not isinstance(reason, OSError) or host is None:
+        return None
+    why = "refused" if isinstance(reason, ConnectionRefusedError) else first_line(reason)
+    return f"cannot connect to {host}:{getattr(error, 'port', '?')} ({why})"
 
 
 def library_connection_errors() -> tuple[type[BaseException], ...]:

@@ -142,6 +142,9 @@ def raw_sample(
         label = int(members[LABEL_SUFFIX].decode())
     except (KeyError, ValueError):
         raise damaged(store, name, f"has no class number for {key}") from None
+    if table.classes and not 0 <= label < table.classes:
+        said = f"gives {key} class number {label}, and the index names {table.classes} classes"
+        raise damaged(store, name, f"{said} (0 to {table.classes - 1})")
     if len(images) != 1:
         raise damaged(store, name, f"holds {len(images)} images for {key}, not one")
     number = table.firsts[shard] + position

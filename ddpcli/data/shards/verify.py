@@ -1,5 +1,6 @@
 """`ddpcli data verify`: every shard the index names, checked against it: there, whole, the
-same bytes (SHA-256), and holding the samples it says."""
+same bytes (SHA-256), holding the samples it says, each with a class number the index
+names."""
 
 from __future__ import annotations
 
@@ -7,12 +8,13 @@ import hashlib
 import tarfile
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any, BinaryIO
+from typing import IO, Any, BinaryIO
 
 from ddpcli.config.data import DataVerifyConfig
 from ddpcli.data.shards.index import ShardRecord, read_index
 from ddpcli.data.shards.parallel import run_parallel
 from ddpcli.data.shards.storage import ShardStore, shard_store
+from ddpcli.data.shards.stream import LABEL_SUFFIX
 from ddpcli.files import HASH_CHUNK
 
 
@@ -20,7 +22,7 @@ from ddpcli.files import HASH_CHUNK
 class ShardCheck:
     split: str
     name: str
-    status: str  # ok, missing, truncated, changed, unreadable
+    status: str  # ok, missing, truncated, changed, unreadable, bad-label
     detail: str
 
 
@@ -29,6 +31,7 @@ class VerifyTask:
     store: ShardStore
     split: str
     record: ShardRecord
+    classes: int  # the split's classes in the index: each class number must be below it
 
 
 class HashingReader:
@@ -52,11 +55,34 @@ class HashingReader:
             pass
 
 
-def sample_count(stream: BinaryIO | HashingReader) -> int:
-    """The samples a tar holds, as webdataset groups them: members that share a key. Read in
-    stream mode, front to back."""
+@dataclass(frozen=True)
+class TarContents:
+    samples: int
+    bad_label: str  # the first KEY.cls that is no class number of the index, in words; or ""
+
+
+def read_contents(stream: BinaryIO | HashingReader, classes: int) -> TarContents:
+    """The samples a tar holds, as webdataset groups them (members that share a key), and
+    whether each KEY.cls is a class number below CLASSES: training would fail on one that is
+    not. Read in stream mode, front to back."""
+    keys: set[str] = set()
+    bad_label = ""
     with tarfile.open(fileobj=stream, mode="r|") as tar:  # type: ignore[call-overload]
-        return len({member.name.partition(".")[0] for member in tar if member.isfile()})
+        for member in tar:
+            if not member.isfile():
+                continue
+            key, _, suffix = member.name.partition(".")
+            keys.add(key)
+            if suffix == LABEL_SUFFIX and not bad_label:
+                bad_label = label_problem(key, tar.extractfile(member), classes)
+    return TarContents(len(keys), bad_label)
+
+
+def label_problem(key: str, handle: IO[bytes] | None, classes: int) -> str:
+    text = handle.read().decode(errors="replace").strip() if handle is not None else ""
+    if text.isdigit() and int(text) < classes:
+        return ""
+    return f"{key}.cls holds {text!r}, and the index names {classes} classes (0 to {classes - 1})"
 
 
 def check_shard(task: VerifyTask) -> ShardCheck:
@@ -75,18 +101,20 @@ def check_shard(task: VerifyTask) -> ShardCheck:
     with store.open(record.name) as stream:
         reader = HashingReader(stream)
         try:
-            samples: int | None = sample_count(reader)
+            contents: TarContents | None = read_contents(reader, task.classes)
             tar_error = ""
         except (OSError, tarfile.TarError) as error:
-            samples, tar_error = None, str(error)
+            contents, tar_error = None, str(error)
         reader.drain()
     if reader.sha256.hexdigest() != record.sha256:
         return found("changed", "its SHA-256 is not the index's: the bytes changed")
-    if samples is None:
+    if contents is None:
         return found("unreadable", f"not a tar file ({tar_error})")
-    if samples != record.samples:
-        return found("changed", f"{samples} samples, the index says {record.samples}")
-    return found("ok", f"{samples} samples, {size:,} bytes")
+    if contents.samples != record.samples:
+        return found("changed", f"{contents.samples} samples, the index says {record.samples}")
+    if contents.bad_label:
+        return found("bad-label", contents.bad_label)
+    return found("ok", f"{contents.samples} samples, {size:,} bytes")
 
 
 def verify(
@@ -98,7 +126,10 @@ def verify(
     ON_PLAN is told the number of shards, ON_CHECK each shard's check as it ends."""
     index = read_index(cfg.out)
     store = shard_store(cfg.out)
-    tasks = [VerifyTask(store, split, record) for split, record in index.shards()]
+    tasks = [
+        VerifyTask(store, split, record, len(index.splits[split].classes))
+        for split, record in index.shards()
+    ]
     on_plan(len(tasks))
     checks = run_parallel(check_shard, tasks, cfg.processes, on_check)
     bad = [check.name for check in checks if check.status != "ok"]

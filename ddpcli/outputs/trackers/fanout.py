@@ -181,13 +181,18 @@ class Courier:
     def send_earlier_rows(self) -> None:
         """A continued run holds the files' rows up to some step; those after it (sent
         after the checkpoint the run resumes from, by a run that then stopped with the
-        tracker unreachable; or every row, for a run that had none) go now."""
+        tracker unreachable; or every row, for a run that had none, a new run in a store
+        that lacks the checkpoint's) go now."""
         through = self.tracker.logged_through()
         if through is None:
             through = {"step": -1, "epoch": -1} if self.opening.run_id is None else None
         if through is not None:
             earlier = self.opening.earlier
-            rows = [(kind, row) for kind, row in earlier if row["step"] > through[kind]]
+            rows = [
+                (kind, row)
+                for kind, row in earlier
+                if row["step"] > through[kind] and not row.get("partial")  # CSV's only
+            ]
             if rows:
                 self.tracker.log_rows(rows)
 

@@ -47,6 +47,7 @@ class MlflowTracker(Tracker):
         self.client: Any = None
         self.run_id = ""
         self.uri = ""
+        self.not_held: str | None = None  # the checkpoint's run, when the store lacks it
 
     def start(self, opening: Opening) -> str | None:
         for name, value in NETWORK_SETTINGS.items():
@@ -59,13 +60,29 @@ class MlflowTracker(Tracker):
 
         self.uri = opening.tracking_uri or local_store(opening.out)
         self.client = MlflowClient(tracking_uri=self.uri)
-        if opening.run_id:
+        if opening.run_id and self.holds(opening.run_id):
             self.run_id = opening.run_id
             self.client.update_run(self.run_id, status="RUNNING")
         else:
+            # A run this store does not hold can never be continued here (the resume names
+            # another store, or the run was deleted): a new run, which the fan-out gives the
+            # run folder's earlier rows, keeps every step in the store the user points at.
+            self.not_held = opening.run_id
             self.run_id = self.create_run(opening)
         self.log_tags(opening.tags)
         return self.run_id
+
+    def holds(self, run_id: str) -> bool:
+        """Whether the store has RUN_ID, not deleted; a store that does not answer raises."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            run = self.client.get_run(run_id)
+        except MlflowException as error:
+            if error.error_code == "RESOURCE_DOES_NOT_EXIST":
+                return False
+            raise
+        return bool(run.info.lifecycle_stage != "deleted")
 
     def create_run(self, opening: Opening) -> str:
         from mlflow.entities import Param
@@ -101,6 +118,12 @@ class MlflowTracker(Tracker):
         self.client.log_batch(self.run_id, tags=[RunTag(k, v) for k, v in tags.items()])
 
     def where(self) -> str:
+        if self.not_held:
+            return (
+                f"the checkpoint's run {self.not_held} is not in {self.uri} (it is in another "
+                f"store, or deleted): continued as new run {self.run_id} there, with the "
+                "earlier rows of steps.jsonl and metrics.jsonl"
+            )
         return f"run {self.run_id} at {self.uri}"
 
     def logged_through(self) -> dict[RowKind, int] | None:

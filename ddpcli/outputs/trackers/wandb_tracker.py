@@ -10,6 +10,7 @@ when a run starts.
 from __future__ import annotations
 
 import secrets
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,10 @@ class WandbTracker(Tracker):
     def start(self, opening: Opening) -> str | None:
         import wandb
 
+        # The run's own lines say what W&B's would (its run, where, how to upload), and
+        # W&B's terminal settings are taken from the first setup of the process, not from
+        # init's: without this, every saved file is a "Symlinked 1 file" warning.
+        wandb.setup(wandb.Settings(silent=True))
         self.offline = opening.wandb_offline
         run_id = opening.run_id or secrets.token_hex(4)  # W&B's own ids: 8 of [a-z0-9]
         self.run = wandb.init(
@@ -49,10 +54,9 @@ class WandbTracker(Tracker):
         )
         self.run.config.update({"system": opening.tags}, allow_val_change=True)
         if self.offline:
-            sync_dir = Path(self.run.settings.sync_dir)
             opening.notes.append(
                 f"--tracker wandb ran offline (no W&B credentials); upload it with: "
-                f"wandb sync {sync_dir}"
+                f"wandb sync {sync_folders(Path(self.run.settings.sync_dir), self.run.id)}"
             )
         return str(self.run.id)
 
@@ -71,3 +75,10 @@ class WandbTracker(Tracker):
 
     def finish(self, ending: Ending) -> None:
         self.run.finish(exit_code=EXIT_CODES[ending])
+
+
+def sync_folders(sync_dir: Path, run_id: str) -> str:
+    """Every offline folder of the run, as a shell pattern: each start (the first, each
+    resume) writes a folder of its own, `offline-run-TIME-ID`, and each holds only its own
+    steps. The times sort as they ran, the order `wandb sync` uploads them in."""
+    return f"{shlex.quote(str(sync_dir.parent))}/offline-run-*-{shlex.quote(run_id)}"
