@@ -19,6 +19,12 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
+# Threads that wait for work sleep instead of spinning. The tests run three at a time on a
+# machine of two cores, each with ranks of its own: a spinning OpenMP thread then burns a
+# core another test's rank needs (docs/performance.md, "The test suite's time"). Set before
+# torch is imported here, and inherited by every command a test runs.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 
 LAUNCHER_VARIABLES = (
     "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK",
@@ -238,26 +244,46 @@ def has_cuda() -> bool:
     return torch.cuda.is_available()
 
 
-# The modules whose tests run longest (whole jobs stopped, resumed, cut off, joined),
-# handed out first: pytest-xdist deals tests in collection order, and a long test dealt
-# last keeps one worker busy while the others sit idle.
+# The modules whose tests run longest (whole jobs stopped, resumed, cut off, joined), the
+# longest first. Tests are dealt to the xdist workers one at a time in this order (addopts:
+# --dist loadgroup, --no-loadscope-reorder), so the long ones start first and the short ones
+# fill the gaps at the end: a long test dealt last keeps one worker busy while the others
+# sit idle.
 LONG_MODULES = (
-    "test_multinode", "test_shards_train", "test_preempt", "test_faults", "test_recipe_resume",
-    "test_trackers", "test_loop_safety", "test_export", "test_custom", "test_shards_remote",
-    "test_world_change", "test_lr", "test_eval", "test_run_folders", "test_speed_paths",
-    "test_job_signals",
+    "test_job_signals", "test_multinode", "test_trackers", "test_shards_train", "test_faults",
+    "test_custom", "test_preempt", "test_eval", "test_lr", "test_shards_remote",
+    "test_loop_safety", "test_resume", "test_train", "test_curves", "test_recipe_resume",
+    "test_world_change", "test_export", "test_run_folders", "test_launch", "test_check_env",
+    "test_data_checks", "test_compression", "test_speed_paths", "test_bench_barrier",
+)  # fmt: skip
+
+# Modules whose tests share what a module-scoped fixture made (a trained run, packed shards,
+# a server): each goes to one worker whole, so the fixture is made once, not once per worker.
+SHARED_FIXTURE_MODULES = (
+    "test_job_signals", "test_trackers", "test_shards_train", "test_custom", "test_eval",
+    "test_shards_remote", "test_loop_safety", "test_resume", "test_train", "test_curves",
+    "test_export",
 )  # fmt: skip
 
 
+def module_name(item) -> str:
+    return item.module.__name__ if item.module is not None else ""
+
+
 def long_first(item) -> int:
-    name = item.module.__name__ if item.module is not None else ""
+    name = module_name(item)
     return LONG_MODULES.index(name) if name in LONG_MODULES else len(LONG_MODULES)
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(config, items):
-    """Long modules first (a stable sort: each module's tests stay together, in order);
-    tests marked `gpu` exist everywhere and run only where CUDA does."""
+    """Long modules first (a stable sort: each module's tests stay together, in order); the
+    modules that share fixtures grouped; tests marked `gpu` exist everywhere and run only
+    where CUDA does."""
     items.sort(key=long_first)
+    for item in items:
+        if module_name(item) in SHARED_FIXTURE_MODULES:
+            item.add_marker(pytest.mark.xdist_group(module_name(item)))
     if has_cuda():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

@@ -236,8 +236,12 @@ def test_skip_rank_zero_is_named_by_the_others_in_json():
         (["--gpus", "0", "--nproc", "2"], "--gpus"),
     ],
 )
-def test_bad_input_exits_2_with_one_line(args, names):
-    result = bench(*args, timeout=60)
+def test_bad_input_exits_2_with_one_line(in_process, monkeypatch, args, names):
+    # Refused before any rank starts: in this process, which the command's own setting of
+    # TORCH_CPP_LOG_LEVEL must not outlive (the variable as it was, after the test).
+    monkeypatch.setenv("TORCH_CPP_LOG_LEVEL", "placeholder")
+    monkeypatch.delenv("TORCH_CPP_LOG_LEVEL")
+    result = in_process("bench-barrier", *args)
     assert result.returncode == 2
     assert_no_traceback(result)
     lines = [line for line in result.stderr.splitlines() if line.strip()]

@@ -9,6 +9,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -48,9 +49,21 @@ def test_help_does_not_import_torch():
     assert not [line for line in result.stderr.splitlines() if line.rstrip().endswith("| torch")]
 
 
-def test_report_on_this_machine_with_loopback():
+@pytest.fixture
+def check_env(in_process, monkeypatch):
+    """`ddpcli check-env ARGS` in this process, with what the command sets for itself
+    (TORCH_CPP_LOG_LEVEL) undone afterwards: no interpreter and no torch import of its own.
+    A --probe's ranks are still processes of their own, each in its own session, which
+    the probe stops by its deadlines; a test that probes keeps run_cli's bound on the whole
+    (pytest-timeout's mark)."""
+    monkeypatch.setenv("TORCH_CPP_LOG_LEVEL", "placeholder")  # restored as it was, after
+    monkeypatch.delenv("TORCH_CPP_LOG_LEVEL")
+    return lambda *args: in_process("check-env", *args)
+
+
+def test_report_on_this_machine_with_loopback(check_env):
     port = str(free_port())
-    result = run_cli("check-env", "--ifname", "lo", "--master-port", port, "--json", timeout=60)
+    result = check_env("--ifname", "lo", "--master-port", port, "--json")
     document = report(result)
     assert result.returncode == 0, failed(document)
     assert document["ok"] and document["exit_code"] == 0
@@ -63,26 +76,35 @@ def test_report_on_this_machine_with_loopback():
     assert any(iface["name"] == "lo" and iface["up"] for iface in document["interfaces"])
 
 
-def test_a_tmpdir_too_long_for_multiprocessings_sockets_is_a_warning(tmp_path):
+def test_a_tmpdir_too_long_for_multiprocessings_sockets_is_a_warning(
+    tmp_path, check_env, monkeypatch
+):
     long = tmp_path / ("job-folder-" + "x" * 80)
     long.mkdir()
-    document = report(run_cli("check-env", "--json", env={"TMPDIR": str(long)}, timeout=60))
+
+    def with_tmpdir(folder: str) -> dict:
+        """As a process started with TMPDIR=FOLDER sees it: tempfile reads it afresh."""
+        monkeypatch.setenv("TMPDIR", folder)
+        monkeypatch.setattr(tempfile, "tempdir", None)
+        return report(check_env("--json"))
+
+    document = with_tmpdir(str(long))
     row = rows(document, "environment")["TMPDIR"]
     assert row["status"] == "warn" and "DataLoader workers" in row["detail"], row
     assert "export TMPDIR=/tmp" in row["fix"]
-    short = run_cli("check-env", "--json", env={"TMPDIR": "/tmp"}, timeout=60)
-    assert rows(report(short))["TMPDIR"]["status"] == "ok"
+    short = with_tmpdir("/tmp")
+    assert rows(short)["TMPDIR"]["status"] == "ok"
 
 
-def test_human_report_is_a_table_on_stderr():
-    result = run_cli("check-env", "--master-port", str(free_port()), timeout=60)
+def test_human_report_is_a_table_on_stderr(check_env):
+    result = check_env("--master-port", str(free_port()))
     assert result.returncode in (0, 1)  # this machine's state is not the test's business
     assert result.stdout == ""
     assert "interface lo" in result.stderr and "check-env:" in result.stderr
 
 
-def test_missing_interface_is_bad_input():
-    result = run_cli("check-env", "--ifname", "nosuch0", timeout=60)
+def test_missing_interface_is_bad_input(check_env):
+    result = check_env("--ifname", "nosuch0")
     assert result.returncode == 2
     assert "nosuch0" in result.stderr and "lo" in result.stderr  # lists what exists
     assert "Traceback" not in result.stderr
@@ -97,8 +119,8 @@ def test_missing_interface_is_bad_input():
         ("--backend", "mpi-please"),
     ],
 )
-def test_bad_flags_exit_2(flags):
-    result = run_cli("check-env", *flags, timeout=60)
+def test_bad_flags_exit_2(check_env, flags):
+    result = check_env(*flags)
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr
 
@@ -122,12 +144,12 @@ def test_cuda_visible_devices_mapping(visible, inside, lost):
     assert {gpu.index: gpu.cuda_index for gpu in gpus if gpu.cuda_index is not None} == inside
 
 
-def test_busy_port_is_a_failed_row_naming_the_port():
+def test_busy_port_is_a_failed_row_naming_the_port(check_env):
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", 0))
         holder.listen()
         port = holder.getsockname()[1]
-        result = run_cli("check-env", "--master-port", str(port), "--json", timeout=60)
+        result = check_env("--master-port", str(port), "--json")
     document = report(result)
     assert result.returncode == 1
     row = failed(document)[f"master port {port}"]
@@ -136,11 +158,9 @@ def test_busy_port_is_a_failed_row_naming_the_port():
         assert f"pid {os.getpid()}" in row["detail"]
 
 
-def test_probe_with_two_gloo_processes():
-    result = run_cli(
-        "check-env", "--probe", "--nproc", "2", "--backend", "gloo", "--json",
-        timeout=PROBE_TIMEOUT_S,
-    )  # fmt: skip
+@pytest.mark.timeout(PROBE_TIMEOUT_S)
+def test_probe_with_two_gloo_processes(check_env):
+    result = check_env("--probe", "--nproc", "2", "--backend", "gloo", "--json")
     document = report(result)
     assert result.returncode == 0, (failed(document), result.stderr[-2000:])
     probe = document["probe"]
@@ -157,12 +177,10 @@ def test_probe_with_two_gloo_processes():
     assert len(probe["facts"]) == 2
 
 
-def test_probe_of_one_process_forms_a_group_and_passes():
+@pytest.mark.timeout(PROBE_TIMEOUT_S)
+def test_probe_of_one_process_forms_a_group_and_passes(check_env):
     """One process (a one-GPU node's default) is still a group: all_reduce and barrier run."""
-    result = run_cli(
-        "check-env", "--probe", "--nproc", "1", "--backend", "gloo", "--json",
-        timeout=PROBE_TIMEOUT_S,
-    )  # fmt: skip
+    result = check_env("--probe", "--nproc", "1", "--backend", "gloo", "--json")
     document = report(result)
     found = rows(document, "probe")
     assert not failed(document), (failed(document), result.stderr[-2000:])

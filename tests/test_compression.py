@@ -217,10 +217,8 @@ def test_powersgd_alone_means_rank_4_and_the_recipe_sets_it(tmp_path):
     assert (defaults.grad_compression, defaults.powersgd_start_step) == ("none", 1000)
 
 
-def test_powersgd_with_fp16_exits_2_with_the_reason():
-    result = run_cli(
-        "train", "--cpu", "--grad-compression", "powersgd", "--precision", "fp16", timeout=60
-    )
+def test_powersgd_with_fp16_exits_2_with_the_reason(in_process):
+    result = in_process("train", "--cpu", "--grad-compression", "powersgd", "--precision", "fp16")
     assert result.returncode == 2
     assert "--precision bf16 or fp32" in result.stderr and "Traceback" not in result.stderr
 

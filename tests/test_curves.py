@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -23,6 +24,9 @@ TINY = [
     "--synthetic-size", "256", "--per-gpu-batch", "16", "--log-every", "3",
 ]  # fmt: skip
 FULL_RUN_STEPS = [3, 6, 8, 9, 12, 15, 16]  # every 3rd step, and each epoch's last
+# The full run also writes TensorBoard's event files where the package is installed (the test
+# extras hold it): one run for the curves, the plots and --tensorboard.
+TENSORBOARD = ["--tensorboard"] if importlib.util.find_spec("tensorboard") else []
 
 
 def steps_of(out: Path) -> list[dict]:
@@ -38,7 +42,7 @@ def assert_png(path: Path) -> None:
 @pytest.fixture(scope="module")
 def full_run(tmp_path_factory) -> tuple[Path, str]:
     out = tmp_path_factory.mktemp("runs") / "first"
-    result = run_cli(*TINY, "--epochs", "2", "--out", str(out), timeout=240)
+    result = run_cli(*TINY, "--epochs", "2", *TENSORBOARD, "--out", str(out), timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
     return out, result.stderr
 
@@ -115,9 +119,14 @@ def second_run(full_run) -> Path:
     return out
 
 
-def test_plot_overlays_two_runs_in_one_picture_named_in_the_legend(full_run, second_run):
+# `ddpcli plot` starts no worker: each command runs in this process (in_process).
+
+
+def test_plot_overlays_two_runs_in_one_picture_named_in_the_legend(
+    full_run, second_run, in_process
+):
     picture = second_run.parent / "both.svg"
-    result = run_cli("plot", str(full_run[0]), str(second_run), "--out", str(picture))
+    result = in_process("plot", str(full_run[0]), str(second_run), "--out", str(picture))
     assert result.returncode == 0, result.stderr
     svg = picture.read_text()
     assert "first train" in svg and "second train" in svg and "first val" in svg
@@ -126,16 +135,16 @@ def test_plot_overlays_two_runs_in_one_picture_named_in_the_legend(full_run, sec
     assert "first to step 16, second to step 16" in result.stderr
 
 
-def test_plot_draws_text_curves_and_a_png(full_run, tmp_path):
+def test_plot_draws_text_curves_and_a_png(full_run, tmp_path, in_process):
     picture = tmp_path / "curves.png"
-    result = run_cli("plot", str(full_run[0]), "--out", str(picture), "--text", "--metric", "lr")
+    result = in_process("plot", str(full_run[0]), "--out", str(picture), "--text", "--metric", "lr")
     assert result.returncode == 0, result.stderr
     assert_png(picture)
     assert "learning rate" in result.stdout and "step" in result.stdout
 
 
-def test_plot_a_folder_without_metrics_exits_2_with_one_line(tmp_path):
-    result = run_cli("plot", str(tmp_path), "--out", str(tmp_path / "x.png"), timeout=60)
+def test_plot_a_folder_without_metrics_exits_2_with_one_line(tmp_path, in_process):
+    result = in_process("plot", str(tmp_path), "--out", str(tmp_path / "x.png"))
     assert result.returncode == 2
     assert f"invalid RUN_DIR: {tmp_path} holds no metrics" in result.stderr
     assert len(result.stderr.strip().splitlines()) <= 2 and "Traceback" not in result.stderr
@@ -150,23 +159,25 @@ def logged_run(folder: Path) -> Path:
     return folder
 
 
-def test_plot_a_folder_whose_rows_hold_no_values_exits_2_and_draws_nothing(tmp_path):
+def test_plot_a_folder_whose_rows_hold_no_values_exits_2_and_draws_nothing(tmp_path, in_process):
     (tmp_path / "metrics.jsonl").write_text('{"x": 1}\n{"step": "one", "train_loss": "high"}\n')
-    result = run_cli("plot", str(tmp_path), "--out", str(tmp_path / "x.png"), timeout=60)
+    result = in_process("plot", str(tmp_path), "--out", str(tmp_path / "x.png"))
     assert result.returncode == 2, result.stderr
     assert f"invalid RUN_DIR: {tmp_path} holds no metrics" in result.stderr
     assert "Traceback" not in result.stderr
     assert not (tmp_path / "x.png").exists()
 
 
-def test_plot_of_several_folders_skips_those_without_metrics_with_one_warning_each(tmp_path):
+def test_plot_of_several_folders_skips_those_without_metrics_with_one_warning_each(
+    tmp_path, in_process
+):
     runs = tmp_path / "runs"
     first, second = logged_run(runs / "a"), logged_run(runs / "c")
     (runs / "b").mkdir()  # a run stopped before its first interval
     (runs / "notes.txt").write_text("what runs/* also matches")
     picture = tmp_path / "all.svg"
     folders = [str(path) for path in sorted(runs.iterdir())]
-    result = run_cli("plot", *folders, "--out", str(picture), "--json", timeout=60)
+    result = in_process("plot", *folders, "--out", str(picture), "--json")
     assert result.returncode == 0, result.stderr
     warnings = [line for line in result.stderr.splitlines() if "warning" in line]
     assert len(warnings) == 2, result.stderr
@@ -179,11 +190,11 @@ def test_plot_of_several_folders_skips_those_without_metrics_with_one_warning_ea
     assert [run["folder"] for run in drawn["skipped"]] == [folders[1], folders[3]]
 
 
-def test_plot_of_several_folders_none_with_metrics_exits_2(tmp_path):
+def test_plot_of_several_folders_none_with_metrics_exits_2(tmp_path, in_process):
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     picture = tmp_path / "x.png"
-    result = run_cli("plot", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(picture))
+    result = in_process("plot", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(picture))
     assert result.returncode == 2, result.stderr
     assert "none of the 2 RUN_DIRs holds metrics" in result.stderr
     assert len(result.stderr.strip().splitlines()) <= 2 and "Traceback" not in result.stderr
@@ -238,13 +249,11 @@ def test_tensorboard_missing_exits_2_saying_how_to_install_it(monkeypatch, tmp_p
     assert "pip install" in result.output
 
 
-def test_tensorboard_writes_event_files_its_reader_takes(tmp_path):
+def test_tensorboard_writes_event_files_its_reader_takes(full_run):
     accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
-    out = tmp_path / "run"
-    result = run_cli(*TINY, "--epochs", "1", "--tensorboard", "--out", str(out), timeout=240)
-    assert result.returncode == 0, result.stderr[-3000:]
+    out, _ = full_run  # run with --tensorboard (TENSORBOARD)
     events = accumulator.EventAccumulator(str(out / "tensorboard"))
     events.Reload()
-    assert [event.step for event in events.Scalars("train/loss")] == [3, 6, 8]
-    assert [event.step for event in events.Scalars("val/acc")] == [8]
+    assert [event.step for event in events.Scalars("train/loss")] == FULL_RUN_STEPS
+    assert [event.step for event in events.Scalars("val/acc")] == [8, 16]
     assert events.Scalars("train/lr")[0].value > 0

@@ -69,9 +69,10 @@ def run_in(project: Path, *args: str, timeout: float = 60):
 
 @pytest.fixture
 def refused_in(monkeypatch):
-    """`ddpcli ARGS` in this process, from the user's project folder, for a command that must
-    exit 2 before any worker starts (no interpreter and torch import per call). The user's
-    modules, and the folder the import adds to sys.path, are gone afterwards."""
+    """`ddpcli ARGS` in this process, from the user's project folder, for a command that ends
+    before any worker starts: an exit 2, a --dry-run, a checkpoint convert (no interpreter and
+    torch import per call). The user's modules, and the folder the import adds to sys.path,
+    are gone afterwards."""
     from typer.testing import CliRunner
 
     from ddpcli.cli import app
@@ -90,7 +91,7 @@ def refused_in(monkeypatch):
             del sys.modules[name]
 
 
-USER_MODULES = ("mymodels", "mydata", "broken", "nowhere", "nothere", "ddpcli_user_")
+USER_MODULES = ("mymodels", "mydata", "broken", "nowhere", "nothere", "ddpcli_user_", "timm")
 
 
 def import_file(path: Path, name: str):
@@ -101,25 +102,36 @@ def import_file(path: Path, name: str):
     return module
 
 
-def test_a_custom_model_trains_and_its_checkpoint_loads_back_into_the_users_class(project):
+@pytest.fixture(scope="module")
+def patchnet_run(tmp_path_factory) -> tuple[Path, Path, str]:
+    """One run of the user's model trained by AdamW (its project, --out, stderr), checked by
+    the custom-model test and the AdamW test alike."""
+    project = tmp_path_factory.mktemp("patchnet")
+    (project / "mymodels.py").write_text(textwrap.dedent(MODEL_FILE))
     out = project / "run"
     result = run_in(
         project, "train", *TINY, "--arch", "mymodels:patchnet", "--model-arg", "width=6",
-        "--synthetic-size", "64", "--epochs", "1", "--out", str(out), "--json",
-        timeout=180,
+        "--synthetic-size", "64", "--epochs", "1", "--optimizer", "adamw", "--betas", "0.9,0.95",
+        "--out", str(out), "--json", timeout=180,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "mymodels:patchnet on synthetic" in result.stderr
+    return project, out, result.stderr
+
+
+def test_a_custom_model_trains_and_its_checkpoint_loads_back_into_the_users_class(
+    patchnet_run, refused_in, tmp_path
+):
+    project, out, stderr = patchnet_run
+    assert "mymodels:patchnet on synthetic" in stderr
     config = json.loads((out / "config.json").read_text())
     assert config["arch"] == "mymodels:patchnet" and config["model_args"] == {"width": 6}
     assert read_metrics(out)[0]["world_size"] == 2
 
-    converted = project / "weights.pt"
-    convert = run_in(
-        project, "checkpoint", "convert", str(out / "checkpoints" / "last.pt"), str(converted),
-        timeout=60,
-    )  # fmt: skip
-    assert convert.returncode == 0, convert.stderr
+    converted = tmp_path / "weights.pt"
+    convert = refused_in(
+        project, "checkpoint", "convert", str(out / "checkpoints" / "last.pt"), str(converted)
+    )
+    assert convert.exit_code == 0, convert.output
     hint = "from mymodels import patchnet; patchnet(num_classes=10, width=6).load_state_dict("
     assert hint in convert.stdout + convert.stderr
     import torch
@@ -129,12 +141,12 @@ def test_a_custom_model_trains_and_its_checkpoint_loads_back_into_the_users_clas
     model.load_state_dict(torch.load(converted, weights_only=True))  # strict: every key fits
 
 
-def test_dry_run_builds_the_model_and_names_its_class_and_size(project):
-    result = run_in(
+def test_dry_run_builds_the_model_and_names_its_class_and_size(project, refused_in):
+    result = refused_in(
         project, "train", "--cpu", "--arch", "mymodels.py:patchnet", "--model-arg", "width=4",
         "--dry-run", "--json", "--out", str(project / "run"),
     )  # fmt: skip
-    assert result.returncode == 0, result.stderr
+    assert result.exit_code == 0, result.output
     shown = json.loads(result.stdout)
     assert shown["model_class"].endswith("PatchNet")
     # conv 3*4*9 + 4, BN 2*4, linear 4*10 + 10
@@ -166,7 +178,7 @@ def test_each_bad_model_factory_exits_2_before_any_worker_starts(project, refuse
     assert not (out / "config.json").exists()  # no worker ever ran
 
 
-def test_model_args_are_toml_values_and_refused_when_malformed(project):
+def test_model_args_are_toml_values_and_refused_when_malformed(project, refused_in):
     from ddpcli.config import build_train_config
 
     cfg = build_train_config(
@@ -179,17 +191,16 @@ def test_model_args_are_toml_values_and_refused_when_malformed(project):
         "sizes": [1, 2],
         "bias": False,
     }
-    bad = run_in(
+    bad = refused_in(
         project, "train", "--cpu", "--arch", "mymodels:patchnet", "--model-arg", "width",
-        "--dry-run", timeout=60,
+        "--dry-run",
     )  # fmt: skip
-    assert bad.returncode == 2
+    assert bad.exit_code == 2, bad.output
     assert "invalid --model-arg: give KEY=VALUE" in bad.stderr
-    unknown = run_in(
-        project, "train", "--cpu", "--arch", "tinycnn", "--model-arg", "depth=3", "--dry-run",
-        timeout=60,
-    )  # fmt: skip
-    assert unknown.returncode == 2
+    unknown = refused_in(
+        project, "train", "--cpu", "--arch", "tinycnn", "--model-arg", "depth=3", "--dry-run"
+    )
+    assert unknown.exit_code == 2, unknown.output
     assert "invalid --model-arg for --arch tinycnn" in unknown.stderr and "depth" in unknown.stderr
 
 
@@ -387,18 +398,13 @@ def test_init_from_then_reset_head_fine_tunes_to_another_class_count(data_projec
 # --- AdamW and timm --------------------------------------------------------------------------
 
 
-def test_adamw_trains_and_the_header_says_its_lr_scaling(project):
-    out = project / "run"
-    result = run_in(
-        project, "train", *TINY, "--arch", "tinycnn", "--synthetic-size", "64", "--epochs", "1",
-        "--optimizer", "adamw", "--betas", "0.9,0.95", "--out", str(out), timeout=180,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
+def test_adamw_trains_and_the_header_says_its_lr_scaling(patchnet_run):
+    _, out, stderr = patchnet_run
     # 0.001 per 256 images at a global batch of 16: x sqrt(16/256) = 0.00025
     assert "adamw (betas 0.9, 0.95, weight decay 0.05; --lr-scaling sqrt, adamw's default)" in (
-        result.stderr
+        stderr
     )
-    assert "lr 0.001 per 256 images -> 0.00025 at global batch 16 (sqrt)" in result.stderr
+    assert "lr 0.001 per 256 images -> 0.00025 at global batch 16 (sqrt)" in stderr
     config = json.loads((out / "config.json").read_text())
     assert config["optimizer"] == "adamw" and config["betas"] == [0.9, 0.95]
     assert config["lr_scaling"] == "sqrt" and config["peak_lr"] == 0.00025
@@ -431,22 +437,16 @@ def create_model(model_name, num_classes, **kwargs):
 """
 
 
-def test_timm_models_are_built_by_timm_when_it_is_installed(project):
+def test_timm_models_are_built_by_timm_when_it_is_installed(project, refused_in, monkeypatch):
     fake = project / "site"  # stands in for an installed timm
     (fake / "timm").mkdir(parents=True)
     (fake / "timm" / "__init__.py").write_text(textwrap.dedent(FAKE_TIMM))
-    env = {"PYTHONPATH": f"{REPO}:{fake}"}
-    built = run_cli(
-        "train", "--cpu", "--arch", "timm:fake_vit", "--dry-run", "--json", timeout=60,
-        cwd=project, env=env,
-    )  # fmt: skip
-    assert built.returncode == 0, built.stderr
+    monkeypatch.syspath_prepend(str(fake))  # refused_in removes the module afterwards
+    built = refused_in(project, "train", "--cpu", "--arch", "timm:fake_vit", "--dry-run", "--json")
+    assert built.exit_code == 0, built.output
     assert json.loads(built.stdout)["model_class"] == "torch.nn.modules.container.Sequential"
-    unknown = run_cli(
-        "train", "--cpu", "--arch", "timm:no_such_net", "--dry-run", timeout=60,
-        cwd=project, env=env,
-    )  # fmt: skip
-    assert unknown.returncode == 2
+    unknown = refused_in(project, "train", "--cpu", "--arch", "timm:no_such_net", "--dry-run")
+    assert unknown.exit_code == 2, unknown.output
     assert "invalid --arch: timm has no model 'no_such_net'" in unknown.stderr
 
 

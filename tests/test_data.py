@@ -57,8 +57,8 @@ def test_truncated_stl10_is_a_usage_error(tmp_path):
     assert "truncated" in result.stderr and "Traceback" not in result.stderr
 
 
-def test_stl10_without_files_asks_for_download(tmp_path):
-    result = run_cli("train", "--dataset", "stl10", "--data-dir", str(tmp_path), "--dry-run")
+def test_stl10_without_files_asks_for_download(tmp_path, in_process):
+    result = in_process("train", "--dataset", "stl10", "--data-dir", str(tmp_path), "--dry-run")
     assert result.returncode == 2
     assert "--download" in result.stderr
 
@@ -105,9 +105,11 @@ def test_train_on_tiny_image_folder(tmp_path, data_path):
     assert metrics["val_samples"] == 18
 
 
-def test_image_folder_layout_is_checked_before_start(tmp_path):
+def test_image_folder_layout_is_checked_before_start(tmp_path, in_process):
     (tmp_path / "train" / "a").mkdir(parents=True)
-    result = run_cli("train", "--dataset", "imagefolder", "--data-dir", str(tmp_path), "--dry-run")
+    result = in_process(
+        "train", "--dataset", "imagefolder", "--data-dir", str(tmp_path), "--dry-run"
+    )
     assert result.returncode == 2
     assert "val" in result.stderr and "missing" in result.stderr
 

@@ -4,6 +4,7 @@ batches only, with the header saying how many images an epoch trains on."""
 
 from __future__ import annotations
 
+import gc
 import json
 import shutil
 import sys
@@ -57,12 +58,14 @@ def refusal(data_dir) -> str:
 # --- The layout, checked before any worker starts -----------------------------------------
 
 
-def test_a_val_class_that_train_lacks_is_named_before_start(tmp_path):
+def test_a_val_class_that_train_lacks_is_named_before_start(tmp_path, in_process):
     write_image_folder(tmp_path)
     owl = tmp_path / "val" / "owl"
     (tmp_path / "val" / "emu").mkdir()
     owl.rename(tmp_path / "val" / "zebra")  # its images would have no label
-    result = run_cli("train", "--dataset", "imagefolder", "--data-dir", str(tmp_path), "--dry-run")
+    result = in_process(
+        "train", "--dataset", "imagefolder", "--data-dir", str(tmp_path), "--dry-run"
+    )
     assert result.returncode == 2
     assert "emu, zebra" in result.stderr and "train lacks" in result.stderr
     assert len(result.stderr.strip().splitlines()) <= 2 and "Traceback" not in result.stderr
@@ -200,6 +203,10 @@ def test_a_dataloader_worker_passes_the_one_line_on(tmp_path):
         list(data.train_batches(0))
     assert caught.value.message.startswith(f"cannot decode image {bad}: ")
     assert "\n" not in caught.value.message and "Traceback" not in caught.value.message
+    # The error's frames hold the loader: let it stop its workers now, not at this process's
+    # exit (there, alone in a pytest process, they kept it from ending).
+    del caught
+    gc.collect()
 
 
 @pytest.mark.parametrize("device_resident", [True, False])

@@ -87,23 +87,36 @@ def test_rank_beyond_the_world_is_refused_before_waiting(tmp_path):
     assert time.monotonic() - started < 15
 
 
-def test_rank_without_a_master_is_exit_2_unless_an_init_method_says_where(tmp_path):
+def given_environment(monkeypatch, env: dict[str, str]) -> None:
+    """ENV in this process's environment, as run_cli(env=ENV) gives it to a command (after
+    in_process took every launcher's variable away): the dry runs and refusals that read it
+    start no rank, so they run in this process. What a command sets for itself there
+    (bench-barrier's TORCH_CPP_LOG_LEVEL) is undone with the rest after the test."""
+    monkeypatch.setenv("TORCH_CPP_LOG_LEVEL", "placeholder")
+    monkeypatch.delenv("TORCH_CPP_LOG_LEVEL")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+
+
+def test_rank_without_a_master_is_exit_2_unless_an_init_method_says_where(
+    tmp_path, in_process, monkeypatch
+):
     """env:// needs MASTER_ADDR and MASTER_PORT; --init-method tcp:// gives the place itself."""
-    env = {"RANK": "1", "WORLD_SIZE": "2"}
+    given_environment(monkeypatch, {"RANK": "1", "WORLD_SIZE": "2"})
     out = ("--out", str(tmp_path / "run"))
-    result = run_cli("train", "--cpu", "--dry-run", *out, env=env, timeout=60)
+    result = in_process("train", "--cpu", "--dry-run", *out)
     assert result.returncode == 2, result.stderr[-2000:]
     assert "MASTER_ADDR" in result.stderr and "--init-method" in result.stderr
     assert "Traceback" not in result.stderr
-    given = run_cli(
-        "train", "--cpu", "--dry-run", "--init-method", "tcp://127.0.0.1:23456", *out,
-        env=env, timeout=60,
-    )  # fmt: skip
+    given = in_process(
+        "train", "--cpu", "--dry-run", "--init-method", "tcp://127.0.0.1:23456", *out
+    )
     assert given.returncode == 0, given.stderr[-2000:]
 
 
-def test_a_bad_rank_is_exit_2_in_every_command_that_reads_the_launcher():
-    result = run_cli("bench-barrier", "--iters", "1", env={"RANK": "abc", "WORLD_SIZE": "2"})
+def test_a_bad_rank_is_exit_2_in_every_command_that_reads_the_launcher(in_process, monkeypatch):
+    given_environment(monkeypatch, {"RANK": "abc", "WORLD_SIZE": "2"})
+    result = in_process("bench-barrier", "--iters", "1")
     assert result.returncode == 2, result.stderr[-2000:]
     assert "invalid RANK:" in result.stderr and "Traceback" not in result.stderr
 
@@ -133,11 +146,13 @@ def test_an_srun_task_reads_the_steps_world():
     )
 
 
-def test_the_batch_shells_slurm_variables_leave_nproc_in_charge_and_are_named():
+def test_the_batch_shells_slurm_variables_leave_nproc_in_charge_and_are_named(
+    in_process, monkeypatch
+):
     """An sbatch script's shell (SLURM_PROCID=0, the job's SLURM_NTASKS, no step): ddpcli
     starts --nproc processes itself, and the header says why SLURM's variables were not used."""
-    env = {"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_JOB_ID": "77"}
-    result = run_cli("train", "--cpu", "--nproc", "3", "--dry-run", "--json", env=env, timeout=60)
+    given_environment(monkeypatch, {"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_JOB_ID": "77"})
+    result = in_process("train", "--cpu", "--nproc", "3", "--dry-run", "--json")
     assert result.returncode == 0, result.stderr[-2000:]
     config = json.loads(result.stdout)
     assert config["world_size"] == 3

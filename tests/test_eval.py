@@ -308,8 +308,10 @@ def test_packed_shards_are_measured_as_their_folder_at_any_world(trained, monkey
     --data-dir (picked as shards by its index.json): every image once, the same figures as
     the folder's at world 1 and 2 (the loss to float rounding: other images share a batch)."""
     packed = trained["root"] / "packed"
-    result = run_cli("data", "pack", str(trained["data"]), str(packed), "--shard-size", "4KB")
-    assert result.returncode == 0, result.stderr[-2000:]
+    result = CliRunner().invoke(
+        app, ["data", "pack", str(trained["data"]), str(packed), "--shard-size", "4KB"]
+    )
+    assert result.exit_code == 0, result.stderr[-2000:]
     folder = evaluate(trained, 1, monkeypatch=monkeypatch, name="best")
     shards = {}
     for nproc in (1, 2):

@@ -96,6 +96,13 @@ def test_convert_to_safetensors_keeps_ema_weights_arch_classes_and_preprocessing
     model_check = next(c for c in json.loads(verified.stdout)["checks"] if c["check"] == "model")
     assert model_check["status"] == "pass", model_check
     assert model_check["detail"].startswith("tinycnn(num_classes=10) accepts all"), model_check
+    inspected = invoke("checkpoint", "inspect", str(out), "--json")  # read as safetensors
+    assert inspected.exit_code == 0, inspected.output
+    report = json.loads(inspected.stdout)
+    assert (report["kind"], report["arch"], report["num_classes"]) == ("safetensors", "tinycnn", 10)
+    assert report["model"]["tensors"] == len(state) and report["classes"] == saved["classes"]
+    shown = invoke("checkpoint", "inspect", str(out))
+    assert shown.exit_code == 0 and "safetensors file" in shown.output, shown.output
     assert (metadata["mean"], metadata["std"]) == ([0.5, 0.4, 0.3], [0.2, 0.2, 0.2])
     assert (metadata["image_size"], metadata["val_resize_size"], metadata["val_crop_size"]) == (
         16, 16, 16
@@ -291,17 +298,20 @@ def plain_pytorch_logits(state_file: Path, images: torch.Tensor) -> torch.Tensor
         return model(images)
 
 
-def test_plain_pt_loads_into_torchvision_and_scores_as_ddpcli_eval(trained):
+def test_plain_pt_loads_into_torchvision_and_scores_as_ddpcli_eval(trained, monkeypatch):
     """Plain PyTorch on the `pt` file, `ddpcli eval` on the safetensors file and the run's
-    own validation: one top-1, image for image."""
+    own validation: one top-1, image for image. The eval is a world of 1 in this process, as
+    a rank that torchrun started (no interpreter and torch import of its own)."""
     images, labels = val_images(trained["data"])
     logits = plain_pytorch_logits(trained["pt"], images)
     correct = int((logits.argmax(1) == labels).sum())
-    result = run_cli(
+    for variable, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(variable, value)
+    result = invoke(
         "eval", str(trained["safetensors"]), "--data-dir", str(trained["data"]), "--cpu",
         "--nproc", "1", "--json", "--out", str(trained["run"] / "eval"),
     )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.exit_code == 0, result.stderr[-3000:]
     figures = json.loads(result.stdout)
     assert figures["samples"] == len(labels) == 15
     assert figures["top1"] == pytest.approx(correct / 15, abs=1e-9)

@@ -31,12 +31,16 @@ from conftest import (
     write_noise_folder,
 )
 
+from ddpcli.cli import main
 from ddpcli.environments import read_launcher_env
 
 TINY = ["--cpu", "--arch", "tinycnn", "--image-size", "16"]
 # 8192 images, batch 16, two ranks: 256 steps an epoch, time enough to act mid-epoch.
 LONG_EPOCHS = [*TINY, "--per-gpu-batch", "16", "--synthetic-size", "8192"]
-SHORT_RUN = [*TINY, "--per-gpu-batch", "32", "--synthetic-size", "256", "--epochs", "1"]
+# Each of rank 1's batches 0.1 s late (a sleep), rank 0 waiting for it at the all-reduce:
+# the job trains next to nothing while a test acts on it.
+SLOW_RANK_1 = {"DDPCLI_SLOW_DATA": "1:0.1"}
+SHORT_RUN = [*TINY, "--per-gpu-batch", "32", "--synthetic-size", "128", "--epochs", "1"]
 STARTUP_S = 90  # imports and rendezvous on a busy two-core machine
 
 
@@ -193,7 +197,9 @@ def run_together(commands: list[tuple[list[str], dict]], timeout: float):
 def test_sigkill_mid_epoch_stops_every_worker_and_names_the_rank(tmp_path):
     out = tmp_path / "run"
     args = ["train", *LONG_EPOCHS, "--nproc", "2", "--epochs", "2", "--log-every", "1"]
-    with Background(*args, "--timeout", "20", "--out", str(out)) as run:
+    with Background(
+        *args, "--timeout", "20", "--out", str(out), env=clean_env(**SLOW_RANK_1)
+    ) as run:
         run.wait_for("epoch 1/2 step 2/")  # training, not starting up
         run.kill_worker(1)
         killed_at = time.monotonic()
@@ -216,13 +222,15 @@ def test_a_killed_ranks_loader_workers_die_with_it_and_its_peers_stop_at_once(tm
     Gloo sockets: left alive after their rank was killed, they kept its peers waiting in a
     collective until their own check of their parent ended them (10 s in all, not 1 s)."""
     data, out = tmp_path / "folder", tmp_path / "run"
-    write_noise_folder(data, per_class=400)
+    # 72 images, batch 4, two ranks: 9 steps an epoch, each of rank 1's batches 0.5 s late
+    # (a sleep, no CPU): still in epoch 1 when it is killed, on a busy machine too.
+    write_noise_folder(data, per_class=24)
     args = [
         "train", *TINY, "--dataset", "imagefolder", "--data-dir", str(data), "--data-path",
         "loader", "--workers", "2", "--per-gpu-batch", "4", "--nproc", "2", "--epochs", "3",
         "--log-every", "1", "--timeout", "60", "--out", str(out),
     ]  # fmt: skip
-    with Background(*args) as run:
+    with Background(*args, env=clean_env(DDPCLI_SLOW_DATA="1:0.5")) as run:
         run.wait_for("epoch 1/3 step 2/")
         loader_workers = descendants(child_workers(run.process.pid)[1])
         assert len(loader_workers) == 2, loader_workers
@@ -314,7 +322,9 @@ def test_a_stopped_rank_is_named_as_unresponsive_not_out_of_memory(tmp_path):
     stopped rank (SIGKILL, as it cannot act on SIGTERM). That is not an out-of-memory kill."""
     out = tmp_path / "run"
     args = ["train", *LONG_EPOCHS, "--nproc", "2", "--epochs", "2", "--log-every", "1"]
-    with Background(*args, "--timeout", "5", "--out", str(out)) as run:
+    with Background(
+        *args, "--timeout", "5", "--out", str(out), env=clean_env(**SLOW_RANK_1)
+    ) as run:
         run.wait_for("epoch 1/2 step 2/")
         workers = child_workers(run.process.pid)
         os.kill(workers[1], signal.SIGSTOP)
@@ -339,15 +349,15 @@ def test_sigkill_with_max_restarts_resumes_from_last_checkpoint(tmp_path, init):
     they must not read the dead ones' addresses there."""
     out, init_file = tmp_path / "run", tmp_path / "init"
     args = [
-        "train", *TINY, "--per-gpu-batch", "16", "--synthetic-size", "1024", "--nproc", "2",
-        "--epochs", "2", "--log-every", "8", "--max-restarts", "1", "--timeout", "20",
+        "train", *TINY, "--per-gpu-batch", "16", "--synthetic-size", "512", "--nproc", "2",
+        "--epochs", "2", "--log-every", "4", "--max-restarts", "1", "--timeout", "20",
         "--out", str(out),
     ]  # fmt: skip
     if init == "file":
         args += ["--init-method", f"file://{init_file}"]
-    # 32 steps an epoch, each of rank 1's batches 20 ms late: the kill at step 8 of epoch 2
-    # lands mid-epoch on an idle machine too.
-    with Background(*args, env=clean_env(DDPCLI_SLOW_DATA="1:0.02")) as run:
+    # 16 steps an epoch, each of rank 1's batches 0.1 s late (a sleep, no CPU): the kill at
+    # step 4 of epoch 2 lands mid-epoch, with 1.2 s to spare.
+    with Background(*args, env=clean_env(DDPCLI_SLOW_DATA="1:0.1")) as run:
         run.wait_for("epoch 2/2 step")  # epoch 1 and its checkpoints/last.pt are written
         run.kill_worker(1)
         code = run.finish(timeout=150)
@@ -370,7 +380,9 @@ def test_workers_die_with_a_killed_launcher(tmp_path, killed):
     out = tmp_path / "run"
     # Ten long epochs: orphaned workers would still be training when the test looks.
     args = ["train", *LONG_EPOCHS, "--nproc", "2", "--epochs", "10", "--log-every", "1"]
-    with Background(*args, "--timeout", "20", "--out", str(out)) as run:
+    with Background(
+        *args, "--timeout", "20", "--out", str(out), env=clean_env(**SLOW_RANK_1)
+    ) as run:
         run.wait_for("epoch 1/10 step 2/")
         assert len(child_workers(run.process.pid)) == 2
         family = descendants(run.process.pid)  # the workers, and their fork server if forked
@@ -453,11 +465,20 @@ def test_legacy_launcher_passing_local_rank_argument(tmp_path):
     assert len(metrics) == 1 and metrics[0]["world_size"] == 2
 
 
-def test_old_local_rank_argument_spelling_is_dropped():
-    """Launchers before torch 2.0 wrote --local_rank=N (the test above sees --local-rank=N)."""
-    result = run_cli("--local_rank=1", "train", "--cpu", "--dry-run", "--json", timeout=60)
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert json.loads(result.stdout)["world_size"] == 2
+def test_old_local_rank_argument_spelling_is_dropped(in_process, monkeypatch, capsys):
+    """Launchers before torch 2.0 wrote --local_rank=N (the test above sees --local-rank=N).
+    `ddpcli`'s main() in this process (in_process's environment; a dry run starts nothing)."""
+    monkeypatch.setattr(sys, "argv", ["ddpcli", "--local_rank=1", "train", "--cpu", "--dry-run",
+                                      "--json"])  # fmt: skip
+    monkeypatch.setenv("LOCAL_RANK", "unset at the end")  # main() sets it: undone at the end
+    monkeypatch.delenv("LOCAL_RANK")
+    monkeypatch.chdir(REPO)
+    with pytest.raises(SystemExit) as exited:
+        main()
+    result = capsys.readouterr()
+    assert exited.value.code in (0, None), result.err[-2000:]
+    assert os.environ.get("LOCAL_RANK") == "1"
+    assert json.loads(result.out)["world_size"] == 2
 
 
 def test_slurm_variables_make_each_task_one_worker(tmp_path):

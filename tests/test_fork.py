@@ -31,6 +31,18 @@ from ddpcli.launcher.fork import (
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="forks on Linux only")
 
 
+@pytest.fixture
+def server_imports_this_module(monkeypatch):
+    """The fork server (a new interpreter) finds this module on PYTHONPATH, and preloads it
+    (torch with it) once, as a launch's server preloads its worker module: Python before 3.12
+    does not hand the server the launcher's sys.path, and each forked worker imported torch
+    again on its own (seconds of CPU each)."""
+    here = str(Path(__file__).resolve().parent)
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))
+    )
+
+
 def main(argv: list[str]) -> None:
     """A forked worker's entry (start_forked_worker imports this module): leave what it saw
     of itself and its parent in a file, then exit with a code after a delay."""
@@ -49,49 +61,53 @@ def main(argv: list[str]) -> None:
         os._exit(int(code))
 
 
-def failed_ranks(folder: Path) -> dict[int, int]:
+def failed_ranks(server: str, folder: Path) -> dict[int, int]:
     """Rank 0 fails after 2 s with exit code 3; rank 1 is still running then, and is stopped."""
     folder.mkdir()
-    with fork_server(__name__) as server:
-        job_env = {"DDPCLI_TEST_JOB_VARIABLE": "set after the server started"}
-        context = elastic_mp.start_processes(
-            name="fork-test",
-            entrypoint=start_forked_worker,
-            args={
-                rank: (server, job_env, __name__, str(folder / f"seen-{rank}"), code, delay)
-                for rank, code, delay in ((0, "3", "2"), (1, "0", "60"))
-            },  # fmt: skip
-            envs={rank: {"RANK": str(rank)} for rank in (0, 1)},
-            logs_specs=DefaultLogsSpecs(log_dir=str(folder)),
-            start_method="forkserver",
-        )
-        result = context.wait(timeout=60, period=0.1)
-        assert result is not None and result.is_failed()
-        seen = [json.loads((folder / f"seen-{rank}").read_text()) for rank in (0, 1)]
-        assert [s["name"] for s in seen] == ["ddpcli rank 0", "ddpcli rank 1"]  # what ps shows
-        assert all(s["parent"] == int(server) for s in seen)  # not the launcher: the server
-        assert all(s["parent_threads"] == 1 for s in seen)  # nothing held a lock as it forked
-        assert all(s["job_variable"] == job_env["DDPCLI_TEST_JOB_VARIABLE"] for s in seen)
-        # Each its own: the launcher's is removed as it exits, maybe before a worker's child.
-        launchers = multiprocessing.util.get_temp_dir()
-        assert len({launchers, seen[0]["temp_dir"], seen[1]["temp_dir"]}) == 3
-    assert fork_server_pid() is None  # stopped with the launch: the next one starts afresh
-    with pytest.raises(ProcessLookupError):
-        os.kill(int(server), 0)
+    job_env = {"DDPCLI_TEST_JOB_VARIABLE": "set after the server started"}
+    context = elastic_mp.start_processes(
+        name="fork-test",
+        entrypoint=start_forked_worker,
+        args={
+            rank: (server, job_env, __name__, str(folder / f"seen-{rank}"), code, delay)
+            for rank, code, delay in ((0, "3", "2"), (1, "0", "60"))
+        },  # fmt: skip
+        envs={rank: {"RANK": str(rank)} for rank in (0, 1)},
+        logs_specs=DefaultLogsSpecs(log_dir=str(folder)),
+        start_method="forkserver",
+    )
+    result = context.wait(timeout=60, period=0.1)
+    assert result is not None and result.is_failed()
+    seen = [json.loads((folder / f"seen-{rank}").read_text()) for rank in (0, 1)]
+    assert [s["name"] for s in seen] == ["ddpcli rank 0", "ddpcli rank 1"]  # what ps shows
+    assert all(s["parent"] == int(server) for s in seen)  # not the launcher: the server
+    assert all(s["parent_threads"] == 1 for s in seen)  # nothing held a lock as it forked
+    assert all(s["job_variable"] == job_env["DDPCLI_TEST_JOB_VARIABLE"] for s in seen)
+    # Each its own: the launcher's is removed as it exits, maybe before a worker's child.
+    launchers = multiprocessing.util.get_temp_dir()
+    assert len({launchers, seen[0]["temp_dir"], seen[1]["temp_dir"]}) == 3
     return {rank: failure.exitcode for rank, failure in result.failures.items()}
 
 
 @linux_only
-def test_every_failed_rank_is_reported_not_only_the_first(tmp_path):
-    assert failed_ranks(tmp_path / "plain") == {0: 3}  # elastic's own function path
+def test_every_failed_rank_is_reported_not_only_the_first(tmp_path, server_imports_this_module):
+    """Elastic's own function path, then the fixed one, their workers forked from one server
+    (it imports torch once: seconds of CPU)."""
     original = elastic_mp.MultiprocessContext
-    with function_path_fixed():
-        assert failed_ranks(tmp_path / "patched") == {0: 3, 1: -signal.SIGTERM}
-    assert elastic_mp.MultiprocessContext is original
+    with fork_server(__name__) as server:
+        assert failed_ranks(server, tmp_path / "plain") == {0: 3}  # elastic's own path
+        with function_path_fixed():
+            assert failed_ranks(server, tmp_path / "patched") == {0: 3, 1: -signal.SIGTERM}
+        assert elastic_mp.MultiprocessContext is original
+    assert fork_server_pid() is None  # stopped with the launch: the next one starts afresh
+    with pytest.raises(ProcessLookupError):
+        os.kill(int(server), 0)
 
 
 @linux_only
-def test_a_worker_killed_as_it_finishes_does_not_hang_the_launcher(tmp_path):
+def test_a_worker_killed_as_it_finishes_does_not_hang_the_launcher(
+    tmp_path, server_imports_this_module
+):
     """Both workers returned and wait for the agent's word to exit; one is killed there.
     multiprocessing's Event.set() would then wait for it forever: the job hung after a
     preemption when a rank was killed as it finished."""

@@ -378,6 +378,14 @@ def node_with_gpus_torch_cannot_use(tmp_path, count: int = 8, driver: str = "535
     return {"PATH": f"{folder}:{os.environ['PATH']}"}
 
 
+@pytest.fixture
+def on_that_node(tmp_path, monkeypatch, in_process):
+    """`ddpcli ARGS` in this process (in_process) on such a node: its nvidia-smi first on
+    PATH, which ddpcli runs afresh for each command (no interpreter and torch per call)."""
+    monkeypatch.setenv("PATH", node_with_gpus_torch_cannot_use(tmp_path)["PATH"])
+    return in_process
+
+
 needs_a_cuda_build = pytest.mark.skipif(
     torch.version.cuda is None or torch.cuda.is_available(),
     reason="needs a CUDA build of torch that sees no GPU",
@@ -386,11 +394,8 @@ needs_a_cuda_build = pytest.mark.skipif(
 
 @needs_a_cuda_build
 @pytest.mark.parametrize("gpus", [[], ["--gpus", "0,1"]])
-def test_train_refuses_gpus_torch_cannot_use_naming_both_versions(tmp_path, gpus):
-    env = node_with_gpus_torch_cannot_use(tmp_path)
-    result = run_cli(
-        "train", *gpus, "--dry-run", "--out", str(tmp_path / "run"), env=env, timeout=120
-    )
+def test_train_refuses_gpus_torch_cannot_use_naming_both_versions(tmp_path, on_that_node, gpus):
+    result = on_that_node("train", *gpus, "--dry-run", "--out", str(tmp_path / "run"))
     assert result.returncode == 2, result.stderr[-2000:]
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1, result.stderr
@@ -400,26 +405,21 @@ def test_train_refuses_gpus_torch_cannot_use_naming_both_versions(tmp_path, gpus
 
 
 @needs_a_cuda_build
-def test_cpu_still_runs_on_a_node_whose_gpus_torch_cannot_use(tmp_path):
-    env = node_with_gpus_torch_cannot_use(tmp_path)
-    result = run_cli(
-        "train", "--cpu", "--dry-run", "--out", str(tmp_path / "run"), env=env, timeout=120
-    )
+def test_cpu_still_runs_on_a_node_whose_gpus_torch_cannot_use(tmp_path, on_that_node):
+    result = on_that_node("train", "--cpu", "--dry-run", "--out", str(tmp_path / "run"))
     assert result.returncode == 0, result.stderr[-2000:]
 
 
 @needs_a_cuda_build
-def test_bench_barrier_refuses_gpus_torch_cannot_use(tmp_path):
-    env = node_with_gpus_torch_cannot_use(tmp_path)
-    result = run_cli("bench-barrier", "--gpus", "0", "--iters", "3", env=env, timeout=120)
+def test_bench_barrier_refuses_gpus_torch_cannot_use(on_that_node):
+    result = on_that_node("bench-barrier", "--gpus", "0", "--iters", "3")
     assert result.returncode == 2, result.stderr[-2000:]
     assert f"CUDA {torch.version.cuda}" in result.stderr and "driver 535.104.05" in result.stderr
 
 
 @needs_a_cuda_build
-def test_check_env_fails_the_cuda_row_in_the_same_words(tmp_path):
-    env = node_with_gpus_torch_cannot_use(tmp_path)
-    result = run_cli("check-env", "--json", env=env, timeout=120)
+def test_check_env_fails_the_cuda_row_in_the_same_words(on_that_node):
+    result = on_that_node("check-env", "--json")
     assert result.returncode == 1, result.stderr[-2000:]
     row = next(row for row in json.loads(result.stdout)["checks"] if row["name"] == "CUDA")
     assert row["status"] == "fail"

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import LiveProcess, clean_env, run_cli, write_noise_folder
+from conftest import LiveProcess, clean_env, write_noise_folder
 from test_faults import assert_no_worker_left, child_workers, descendants
 from test_launch import assert_none_left, write_script
 
@@ -46,11 +46,17 @@ def sigterm_to_the_job(run: LiveProcess, every_process: bool) -> list[int]:
 def data(tmp_path_factory) -> dict[str, list[str]]:
     """An image folder (24 images a class, 3 classes) and the same images packed in shards,
     as train's flags name them."""
+    from typer.testing import CliRunner
+
+    from ddpcli.cli import app
+
     root = tmp_path_factory.mktemp("signals")
     write_noise_folder(root / "folder", per_class=24)
-    packed = run_cli("data", "pack", str(root / "folder"), str(root / "shards"),
-                     "--shard-size", "20KB")  # fmt: skip
-    assert packed.returncode == 0, packed.stderr[-2000:]
+    # Packed in this process, by one worker (the same bytes as any number packs): no
+    # interpreter, torch import and pool of processes for 144 small images.
+    packed = CliRunner().invoke(app, ["data", "pack", str(root / "folder"), str(root / "shards"),
+                                      "--shard-size", "20KB", "--workers", "1"])  # fmt: skip
+    assert packed.exit_code == 0, packed.output[-2000:]
     return {
         "folder": ["--dataset", "imagefolder", "--data-dir", str(root / "folder")],
         "shards": ["--data-dir", str(root / "shards")],
@@ -112,9 +118,11 @@ def test_sigterm_to_every_process_of_an_eval_stops_it_in_one_line(data, tmp_path
     run = LiveProcess(command, clean_env())
     try:
         deadline = time.monotonic() + STARTUP_S
+        # Each look reads every process's /proc entry (milliseconds of CPU on a busy
+        # machine): 20 a second, not 50, through the start-up.
         while len(child_workers(run.process.pid)) < 2:
             assert time.monotonic() < deadline and run.process.poll() is None, run.stderr
-            time.sleep(0.02)
+            time.sleep(0.05)
         sigterm_to_the_job(run, every_process=True)
         code = run.finish(timeout=60)
     finally:

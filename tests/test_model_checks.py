@@ -5,6 +5,7 @@ the latter; a model that leaves some out only later, in training, is told the sa
 from __future__ import annotations
 
 import json
+import sys
 import textwrap
 from pathlib import Path
 
@@ -74,9 +75,12 @@ TINY = [
 
 
 @pytest.fixture
-def project(tmp_path: Path) -> Path:
+def project(tmp_path: Path, monkeypatch) -> Path:
     (tmp_path / "nets.py").write_text(textwrap.dedent(MODELS))
-    return tmp_path
+    # A check run in this process imports nets from the project: this test's, not an earlier's.
+    monkeypatch.delitem(sys.modules, "nets", raising=False)
+    yield tmp_path
+    sys.modules.pop("nets", None)
 
 
 @pytest.mark.parametrize(
@@ -86,16 +90,19 @@ def project(tmp_path: Path) -> Path:
         ("no_parameters", "nets:no_parameters has no parameters"),
     ],
 )
-def test_a_model_with_nothing_to_train_exits_2_before_launch(project, factory, words):
-    result = run_cli(*TINY, "--arch", f"nets:{factory}", "--out", str(project / "run"), cwd=project)
+def test_a_model_with_nothing_to_train_exits_2_before_launch(project, factory, words, in_process):
+    # Refused in the launcher before any worker starts: in this process.
+    result = in_process(
+        *TINY, "--arch", f"nets:{factory}", "--out", str(project / "run"), cwd=project
+    )
     assert result.returncode == 2, result.stderr
     assert f"error: invalid --arch: {words}" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert "DistributedDataParallel" not in result.stderr and "rank" not in result.stderr
 
 
-def test_unused_parameters_exit_2_before_launch_naming_them_and_the_flag(project):
-    result = run_cli(*TINY, "--arch", "nets:unused", "--out", str(project / "run"), cwd=project)
+def test_unused_parameters_exit_2_before_launch_naming_them_and_the_flag(project, in_process):
+    result = in_process(*TINY, "--arch", "nets:unused", "--out", str(project / "run"), cwd=project)
     assert result.returncode == 2, result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
     line = result.stderr.strip()

@@ -160,17 +160,17 @@ def test_stale_init_file_is_refused(tmp_path):
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
-def test_tcp_init_on_several_nodes_derives_the_agents_address():
-    result = run_cli(
+def test_tcp_init_on_several_nodes_derives_the_agents_address(in_process):
+    result = in_process(
         "train", "--cpu", "--nnodes", "2", "--node-rank", "1",
-        "--init-method", "tcp://10.0.0.1:23456", "--dry-run", "--json", timeout=60,
+        "--init-method", "tcp://10.0.0.1:23456", "--dry-run", "--json",
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     config = json.loads(result.stdout)
     assert (config["master_addr"], config["master_port"]) == ("10.0.0.1", 23457)
-    clash = run_cli(
+    clash = in_process(
         "train", "--cpu", "--init-method", "tcp://127.0.0.1:23456", "--master-port", "23456",
-        "--dry-run", timeout=60,
+        "--dry-run",
     )  # fmt: skip
     assert clash.returncode == 2 and "--master-port" in clash.stderr
 
@@ -354,17 +354,20 @@ def test_a_host_that_joins_a_running_job_is_admitted_and_the_run_goes_on(tmp_pat
     epoch 1. The first host's worker stops at an agreed step and saves; both start the next
     round as a world of 2, which continues from that checkpoint. Before, the new host waited
     for good for an address the first one published in its first round only, and the
-    restarted workers would have started the run over."""
+    restarted workers would have started the run over. Rank 0 waits a second for each batch
+    (a sleep, not work): the first host's epoch 1 alone lasts 48 s, time enough for the
+    second to start and join inside it on a busy machine, for little CPU."""
     out, endpoint = tmp_path / "shared", f"127.0.0.1:{free_port()}"
     command = [
-        sys.executable, "-m", "ddpcli", "train", *TINY, "--synthetic-size", "4096",
-        "--epochs", "2", "--log-every", "8", "--nproc", "1", "--nnodes", "1:2",
+        sys.executable, "-m", "ddpcli", "train", *TINY, "--synthetic-size", "768",
+        "--epochs", "2", "--log-every", "4", "--nproc", "1", "--nnodes", "1:2",
         "--rdzv-endpoint", endpoint, "--timeout", "60", "--out", str(out),
     ]  # fmt: skip
-    first = LiveProcess(command, clean_env())
+    env = clean_env(DDPCLI_SLOW_DATA="0:1")
+    first = LiveProcess(command, env)
     try:
         first.wait_for("epoch 1/2 step", timeout=RUN_TIMEOUT_S)
-        with nodes([command]) as (second,):
+        with nodes([command], env) as (second,):
             deadline = time.monotonic() + RUN_TIMEOUT_S
             codes = [node.finish(deadline - time.monotonic()) for node in (first, second)]
     finally:

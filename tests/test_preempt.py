@@ -14,27 +14,30 @@ import pytest
 from conftest import LiveProcess, clean_env, read_metrics, run_cli
 from test_faults import assert_no_worker_left, child_workers
 
-# 8192 images, batch 16, two ranks: 256 steps in the epoch, time enough to act mid-epoch.
+# 2048 images, batch 16, two ranks: 64 steps in the epoch, each of rank 1's batches 0.1 s
+# late (a sleep, no CPU, and rank 0 waits for it at the all-reduce): 6 s to act mid-epoch
+# once training shows, on a busy machine too, with next to no training done meanwhile.
 SETTINGS = [
-    "--cpu", "--arch", "tinycnn", "--image-size", "16", "--synthetic-size", "8192",
+    "--cpu", "--arch", "tinycnn", "--image-size", "16", "--synthetic-size", "2048",
     "--per-gpu-batch", "16", "--epochs", "1", "--nproc", "2", "--log-every", "1",
 ]  # fmt: skip
+SLOW_STEPS = {"DDPCLI_SLOW_DATA": "1:0.1"}
 COMPARED = ("train_loss", "train_acc", "val_loss", "val_acc", "lr")
 STARTUP_S = 90
 
 
 def started(out, *extra: str, settings=SETTINGS, env: dict | None = None) -> LiveProcess:
     command = [sys.executable, "-m", "ddpcli", "train", *settings, "--out", str(out), *extra]
-    run = LiveProcess(command, clean_env(**(env or {})))
+    run = LiveProcess(command, clean_env(**(SLOW_STEPS if env is None else env)))
     run.wait_for("epoch 1/1 step 2/", STARTUP_S)  # training, not starting up
     return run
 
 
 # This test trains the whole epoch twice (the reference, and the stop plus its resume): a
-# quarter of the set, each of rank 1's 64 batches 10 ms late, keeps the SIGTERM mid-epoch on
-# an idle machine at a quarter of the steps.
-WHOLE_EPOCH = [value if value != "8192" else "2048" for value in SETTINGS]
-SLOWED = {"DDPCLI_SLOW_DATA": "1:0.01"}
+# quarter of the set, each of rank 1's 16 batches 0.15 s late, keeps the SIGTERM mid-epoch
+# (2 s to spare after step 2) at a quarter of the steps.
+WHOLE_EPOCH = [value if value != "2048" else "512" for value in SETTINGS]
+SLOWED = {"DDPCLI_SLOW_DATA": "1:0.15"}
 
 
 def test_sigterm_to_one_worker_saves_and_the_resume_matches_the_whole_run(tmp_path):

@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 
 import pytest
-from conftest import run_cli, run_on_read_only_mount, write_noise_folder
+from conftest import clean_env, run_cli, run_on_read_only_mount, write_noise_folder
 from test_faults import SHORT_RUN, TINY, Background, assert_no_worker_left, child_workers
 
 from ddpcli.config import TrainConfig
@@ -81,7 +81,8 @@ def test_the_launcher_holds_the_lock_and_its_workers_read_a_private_config(tmp_p
     second run would rewrite it before they read it)."""
     out = tmp_path / "run"
     args = [*TINY, "--per-gpu-batch", "16", "--synthetic-size", "8192", "--epochs", "5"]
-    with Background("train", *args, "--log-every", "1", "--out", str(out)) as first:
+    slow = clean_env(DDPCLI_SLOW_DATA="0:0.5")  # mid-epoch 1 all along, by sleeping
+    with Background("train", *args, "--log-every", "1", "--out", str(out), env=slow) as first:
         first.wait_for("epoch 1/5 step 2/")
         second = in_process("train", *SHORT_RUN, "--out", str(out))
         workers = child_workers(first.process.pid)

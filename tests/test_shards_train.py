@@ -395,16 +395,16 @@ def copy_of(packed: Path, folder: Path) -> Path:
     return folder
 
 
-def train_on(folder: Path, *extra: str):
-    return run_cli("train", "--cpu", "--nproc", "2", "--dataset", "shards", "--data-dir",
-                   str(folder), "--dry-run", *extra, timeout=60)  # fmt: skip
+def train_on(in_process, folder: Path, *extra: str):
+    return in_process("train", "--cpu", "--nproc", "2", "--dataset", "shards", "--data-dir",
+                      str(folder), "--dry-run", *extra)  # fmt: skip
 
 
-def test_bad_shards_and_indexes_exit_2_with_one_line(packed, tmp_path):
+def test_bad_shards_and_indexes_exit_2_with_one_line(packed, tmp_path, in_process):
     truncated = copy_of(packed, tmp_path / "truncated")
     shard = truncated / "train-000002.tar"
     shard.write_bytes(shard.read_bytes()[:1000])
-    result = train_on(truncated)
+    result = train_on(in_process, truncated)
     assert result.returncode == 2
     assert (
         result.stderr.strip()
@@ -417,11 +417,11 @@ def test_bad_shards_and_indexes_exit_2_with_one_line(packed, tmp_path):
     document = json.loads((empty / "index.json").read_text())
     document["splits"]["val"]["shards"] = []
     (empty / "index.json").write_text(json.dumps(document))
-    result = train_on(empty)
+    result = train_on(in_process, empty)
     assert result.returncode == 2 and "its val split is empty" in result.stderr
     assert "Traceback" not in result.stderr
 
-    result = train_on(packed, "--ra-reps", "2")
+    result = train_on(in_process, packed, "--ra-reps", "2")
     assert result.returncode == 2 and "invalid --ra-reps" in result.stderr
 
 

@@ -319,13 +319,13 @@ def test_a_tracker_not_installed_exits_2_naming_its_extra(tmp_path, monkeypatch)
     assert 'pip install "ddpcli[mlflow]"' in result.output
 
 
-def test_an_unknown_tracker_and_an_unreachable_strict_one_exit_2(tmp_path):
-    bad = run_cli("train", "--cpu", "--tracker", "csv,neptune", "--dry-run", timeout=60)
+def test_an_unknown_tracker_and_an_unreachable_strict_one_exit_2(tmp_path, in_process):
+    bad = in_process("train", "--cpu", "--tracker", "csv,neptune", "--dry-run")
     assert bad.returncode == 2 and "--tracker" in bad.stderr, bad.stderr
     dead = f"http://127.0.0.1:{free_port()}"
-    strict = run_cli(
+    strict = in_process(
         "train", "--cpu", "--tracker", "mlflow", "--tracking-uri", dead, "--tracker-strict",
-        "--out", str(tmp_path / "run"), timeout=60,
+        "--out", str(tmp_path / "run"),
     )  # fmt: skip
     assert strict.returncode == 2, strict.stderr
     assert f"invalid --tracking-uri: the MLflow server at {dead} does not answer" in strict.stderr

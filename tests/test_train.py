@@ -3,6 +3,7 @@
 import json
 import sys
 
+import pytest
 from conftest import LiveProcess, clean_env, ctrl_c_after, read_metrics, run_bounded, run_cli
 
 TINY = ["--cpu", "--arch", "tinycnn", "--image-size", "16", "--per-gpu-batch", "32"]
@@ -39,13 +40,24 @@ def test_two_gloo_workers_learn_the_synthetic_set(tmp_path):
     assert all(m["peak_lr"] == 0.2 for m in metrics)
 
 
-def test_validation_counts_every_sample_once_with_an_odd_count(tmp_path):
-    # synthetic-size 84 -> 21 validation images: odd, so a padded sampler would count 22.
-    out = tmp_path / "run"
+@pytest.fixture(scope="module")
+def accumulated_run(tmp_path_factory):
+    """One epoch into a new folder with --resume auto, an odd validation count and
+    --accumulate 2, checked by the three tests below: synthetic-size 84 -> 21 validation
+    images; 84 training images over 2 ranks in micro-batches of 3 -> 14 micro-batches a
+    rank, 2 a step -> 7 steps."""
+    out = tmp_path_factory.mktemp("accumulated") / "run"
     result = run_cli(
         "train", *TINY, "--nproc", "2", "--synthetic-size", "84", "--epochs", "1",
-        "--per-gpu-batch", "4", "--out", str(out), timeout=180,
+        "--per-gpu-batch", "3", "--accumulate", "2", "--resume", "auto", "--out", str(out),
+        timeout=180,
     )  # fmt: skip
+    return out, result
+
+
+def test_validation_counts_every_sample_once_with_an_odd_count(accumulated_run):
+    # 21 validation images: odd, so a padded sampler would count 22.
+    out, result = accumulated_run
     assert result.returncode == 0, result.stderr[-3000:]
     assert read_metrics(out)[0]["val_samples"] == 21
 
@@ -63,16 +75,12 @@ def test_max_steps_stops_early_and_plain_progress_lines(tmp_path):
     assert "outputs in" in result.stderr
 
 
-def test_accumulation_multiplies_the_global_batch(tmp_path):
-    out = tmp_path / "run"
-    result = run_cli(
-        "train", *TINY, "--nproc", "2", "--synthetic-size", "256", "--epochs", "1",
-        "--accumulate", "2", "--out", str(out), timeout=180,
-    )  # fmt: skip
+def test_accumulation_multiplies_the_global_batch(accumulated_run):
+    out, result = accumulated_run
     assert result.returncode == 0, result.stderr[-3000:]
     metrics = read_metrics(out)[0]
-    assert metrics["global_batch"] == 32 * 2 * 2
-    assert metrics["step"] == 2  # 128 images per rank / 32 = 4 micro-batches = 2 steps
+    assert metrics["global_batch"] == 3 * 2 * 2
+    assert metrics["step"] == 7  # 42 images per rank / 3 = 14 micro-batches = 7 steps
 
 
 def test_under_torchrun_each_process_is_one_worker(tmp_path):
@@ -103,11 +111,8 @@ def test_ctrl_c_under_torchrun_is_said_once_for_the_job(tmp_path):
     assert run.stderr.count("interrupted at epoch 1 step") == 1, run.stderr[-3000:]
 
 
-def test_resume_auto_without_checkpoint_starts_fresh(tmp_path):
-    out = tmp_path / "run"
-    result = run_cli(
-        "train", *TINY, "--nproc", "1", "--synthetic-size", "128", "--epochs", "1",
-        "--resume", "auto", "--out", str(out), timeout=120,
-    )  # fmt: skip
+def test_resume_auto_without_checkpoint_starts_fresh(accumulated_run):
+    out, result = accumulated_run  # --resume auto into a new folder
     assert result.returncode == 0, result.stderr[-3000:]
+    assert "starting fresh" in result.stderr
     assert len(read_metrics(out)) == 1

@@ -47,6 +47,8 @@ def _dtype_name(dtype: torch.dtype) -> str:
 def inspect_checkpoint(path: Path) -> dict[str, Any]:
     """Everything a person or a script wants to know about a checkpoint, as plain data."""
     path = Path(path)
+    if is_safetensors_file(path):
+        return inspect_safetensors(path)
     storage_devices: Counter[str] = Counter()
 
     def record_device(storage: object, location: str) -> object:
@@ -69,6 +71,25 @@ def inspect_checkpoint(path: Path) -> dict[str, Any]:
     if state is not None:
         report["model"] = describe_state(state)
     return report
+
+
+def inspect_safetensors(path: Path) -> dict[str, Any]:
+    """A safetensors file: its tensors (read on the CPU; the format keeps no device) and
+    what its header says of the model, as `checkpoint convert` wrote it."""
+    state, header = read_safetensors(path)
+    return {
+        "path": str(path),
+        "size_bytes": path.stat().st_size,
+        "kind": "safetensors",
+        "digest": digest_status(path),
+        "devices": {},
+        "tensors": len(state),
+        "contents": sorted(header),
+        "arch": header.get("arch"),
+        "num_classes": header.get("num_classes"),
+        "classes": header.get("classes"),
+        "model": describe_state(state),
+    }
 
 
 def training_summary(payload: dict[str, Any]) -> dict[str, Any]:

@@ -247,6 +247,7 @@ KIND_WORDS = {
     "training": "ddpcli training checkpoint",
     "weights-only": "ddpcli weights-only checkpoint (cannot resume)",
     "state-dict": "plain state dict",
+    "safetensors": "safetensors file (weights and a header: cannot resume)",
     "unknown": "not a checkpoint ddpcli recognises",
 }
 
@@ -281,6 +282,10 @@ def inspection_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
             rows.append(("classes", listed_names(report["classes"])))
         if report.get("best_val_acc") is not None and report["best_val_acc"] >= 0:
             rows.append(("best val acc", f"{100 * report['best_val_acc']:.2f}%"))
+    if report["kind"] == "safetensors" and report.get("arch"):
+        rows.append(("architecture", f"{report['arch']} · {report['num_classes']} classes"))
+        if report.get("classes"):
+            rows.append(("classes", listed_names(report["classes"])))
     model = report.get("model")
     if model:
         rows.append(("parameters", f"{model['parameters']:,} in {model['tensors']} tensors"))
