@@ -14,6 +14,7 @@ import threading
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -139,6 +140,21 @@ def in_process(monkeypatch):
         return subprocess.CompletedProcess(args, result.exit_code, result.stdout, result.stderr)
 
     return invoke
+
+
+@pytest.fixture(autouse=True)
+def no_fork_server_left():
+    """A command run in this process (`data pack` through CliRunner) may start
+    multiprocessing's fork server, which would outlive its test in this worker: stopped, as
+    a command's own process would have ended. tests/test_fork.py starts from none."""
+    from multiprocessing import forkserver
+
+    server: Any = forkserver._forkserver
+    running_before = server._forkserver_pid is not None
+    yield
+    if not running_before and server._forkserver_pid is not None:
+        with contextlib.suppress(OSError, ChildProcessError):
+            server._stop()
 
 
 def run_bounded(command: list[str], timeout: float, env: dict | None = None, cwd=None):
