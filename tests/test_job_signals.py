@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -40,6 +41,20 @@ def sigterm_to_the_job(run: LiveProcess, every_process: bool) -> list[int]:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGTERM)
     return beyond
+
+
+def sigterm_to_every_process_once(run: LiveProcess, ready: Callable[[], bool]) -> int:
+    """Once READY says RUN is up (looked at 20 times a second), SIGTERM to every process of
+    it; its exit code. RUN is killed whatever happens."""
+    try:
+        deadline = time.monotonic() + STARTUP_S
+        while not ready():
+            assert time.monotonic() < deadline and run.process.poll() is None, run.stderr
+            time.sleep(0.05)
+        sigterm_to_the_job(run, every_process=True)
+        return run.finish(timeout=60)
+    finally:
+        run.kill()
 
 
 @pytest.fixture(scope="module")
@@ -116,17 +131,9 @@ def test_sigterm_to_every_process_of_an_eval_stops_it_in_one_line(data, tmp_path
     command = [sys.executable, "-m", "ddpcli", "eval", str(checkpoint), *data["folder"][2:],
                "--cpu", "--nproc", "2", "--workers", "1", "--out", str(out)]  # fmt: skip
     run = LiveProcess(command, clean_env())
-    try:
-        deadline = time.monotonic() + STARTUP_S
-        # Each look reads every process's /proc entry (milliseconds of CPU on a busy
-        # machine): 20 a second, not 50, through the start-up.
-        while len(child_workers(run.process.pid)) < 2:
-            assert time.monotonic() < deadline and run.process.poll() is None, run.stderr
-            time.sleep(0.05)
-        sigterm_to_the_job(run, every_process=True)
-        code = run.finish(timeout=60)
-    finally:
-        run.kill()
+    # Each look reads every process's /proc entry (milliseconds of CPU on a busy machine):
+    # 20 a second, not 50, through the start-up.
+    code = sigterm_to_every_process_once(run, lambda: len(child_workers(run.process.pid)) >= 2)
     assert code == 1, run.stderr[-3000:]
     assert "Traceback" not in run.stderr, run.stderr
     errors = [line for line in run.stderr.splitlines() if line.startswith("error:")]
@@ -157,15 +164,9 @@ def test_sigterm_to_every_process_of_a_launch_reaches_the_script(tmp_path):
     command = [sys.executable, "-m", "ddpcli", "launch", "--nproc", "2", str(script),
                str(tmp_path)]  # fmt: skip
     run = LiveProcess(command, clean_env())
-    try:
-        deadline = time.monotonic() + STARTUP_S
-        while not all((tmp_path / f"up{rank}").exists() for rank in (0, 1)):
-            assert time.monotonic() < deadline and run.process.poll() is None, run.stderr
-            time.sleep(0.1)
-        sigterm_to_the_job(run, every_process=True)
-        code = run.finish(timeout=60)
-    finally:
-        run.kill()
+    code = sigterm_to_every_process_once(
+        run, lambda: all((tmp_path / f"up{rank}").exists() for rank in (0, 1))
+    )
     assert code == 1, run.stderr[-3000:]
     assert "Traceback" not in run.stderr, run.stderr
     assert run.stderr.strip().splitlines()[-1] == (
