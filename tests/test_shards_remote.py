@@ -6,6 +6,7 @@ variables, a URL's user:password@) are never printed or saved."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -116,23 +117,38 @@ def s3_env(s3, monkeypatch):
     return s3
 
 
-@pytest.fixture(scope="module")
-def http(packed):
-    """A local HTTP server of the packed folder; yields (base URL, server)."""
+@contextlib.contextmanager
+def serving(folder: Path, handler: type[RangeHandler] = RangeHandler):
+    """A local HTTP server of FOLDER, answered by HANDLER; yields (base URL, server)."""
 
-    class Handler(RangeHandler):
+    class Handler(handler):
         def __init__(self, *args, **kwargs):
-            super().__init__(*args, directory=str(packed), **kwargs)
+            super().__init__(*args, directory=str(folder), **kwargs)
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     server.requests, server.cuts = [], {}  # type: ignore[attr-defined]
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
+    threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         yield f"http://127.0.0.1:{server.server_address[1]}", server
     finally:
         server.shutdown()
         server.server_close()
+
+
+@pytest.fixture(scope="module")
+def http(packed):
+    """A local HTTP server of the packed folder; yields (base URL, server)."""
+    with serving(packed) as served:
+        yield served
+
+
+def train_from(url: str, out: Path, nproc: int, workers: int):
+    """A one-epoch tiny run on the shards at URL."""
+    return run_cli(
+        "train", "--data-dir", url, "--cpu", "--nproc", str(nproc), "--arch", "tinycnn",
+        "--image-size", "16", "--per-gpu-batch", "2", "--epochs", "1", "--workers", str(workers),
+        "--out", str(out), timeout=180,
+    )  # fmt: skip
 
 
 def one_line(result) -> str:
@@ -274,11 +290,7 @@ def test_train_ends_with_one_line_naming_the_shard_that_cannot_be_read(http, tmp
     shard = "/train-000003.tar"
     server.cuts[shard] = [2048, 1000]
     try:
-        result = run_cli(
-            "train", "--data-dir", url, "--cpu", "--nproc", "1", "--arch", "tinycnn",
-            "--image-size", "16", "--per-gpu-batch", "2", "--epochs", "1", "--workers", "1",
-            "--out", str(tmp_path / "run"), timeout=180,
-        )  # fmt: skip
+        result = train_from(url, tmp_path / "run", nproc=1, workers=1)
     finally:
         server.cuts.pop(shard)
     assert result.returncode == 1, result.stderr[-3000:]
@@ -493,26 +505,13 @@ def test_a_server_gone_after_the_launchers_check_is_a_run_time_failure_without_s
     stack from the rank the agent stopped while it was still reading (it printed 40 lines
     of faulthandler's, and the command ended with exit 2, as for bad input)."""
 
-    class Handler(IndexHandler):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, directory=str(packed), **kwargs)
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    server.requests, server.cuts = [], {}  # type: ignore[attr-defined]
-    server.index_readers, server.gone = 0, False  # type: ignore[attr-defined]
-    server.release = threading.Event()  # type: ignore[attr-defined]
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{server.server_address[1]}"
-    try:
-        result = run_cli(
-            "train", "--data-dir", url, "--cpu", "--nproc", "2", "--arch", "tinycnn",
-            "--image-size", "16", "--per-gpu-batch", "2", "--epochs", "1", "--workers", "0",
-            "--out", str(tmp_path / "run"), timeout=180,
-        )  # fmt: skip
-    finally:
-        server.release.set()  # type: ignore[attr-defined]
-        server.shutdown()
-        server.server_close()
+    with serving(packed, IndexHandler) as (url, server):
+        server.index_readers, server.gone = 0, False
+        server.release = threading.Event()
+        try:
+            result = train_from(url, tmp_path / "run", nproc=2, workers=0)
+        finally:
+            server.release.set()  # the held reader, before the server shuts down
     assert result.returncode == 1, result.stderr[-3000:]
     assert server.index_readers >= 3  # type: ignore[attr-defined] # the launcher, both ranks
     for stack in ("Traceback", "Thread 0x", "Current thread", "most recent call first"):
