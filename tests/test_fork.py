@@ -11,6 +11,7 @@ import json
 import multiprocessing.util
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -142,6 +143,73 @@ def test_a_worker_killed_as_it_finishes_does_not_hang_the_launcher(
     assert result is not None and {r: f.exitcode for r, f in result.failures.items()} == {
         1: -signal.SIGKILL
     }
+
+
+LAUNCHER_BEFORE_TORCH = """
+import json, os, sys, time
+from ddpcli.launcher.fork import fork_server, function_path_fixed, start_forked_worker
+assert "torch" not in sys.modules
+with fork_server("test_fork") as server:
+    from torch.distributed.elastic import multiprocessing as elastic_mp
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    folder = sys.argv[1]
+    with function_path_fixed():
+        context = elastic_mp.start_processes(
+            name="fork-test", entrypoint=start_forked_worker,
+            args={0: (server, {}, "test_fork", folder + "/seen-0", "3", "0")},
+            envs={0: {"RANK": "0"}}, logs_specs=DefaultLogsSpecs(log_dir=folder),
+            start_method="forkserver")
+        result = context.wait(timeout=60, period=0.1)
+    server_command = open(f"/proc/{server}/cmdline").read()
+    print(json.dumps({
+        "server": int(server),
+        "server_is_a_fork": server_command == open("/proc/self/cmdline").read(),
+        "exit_codes": {r: f.exitcode for r, f in result.failures.items()},
+    }), flush=True)
+    time.sleep(300)
+"""
+
+
+def ended(pid: int) -> bool:
+    """Gone, or a zombie whose parent (the killed launcher) can no longer reap it."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+@linux_only
+def test_a_launcher_that_has_not_imported_torch_forks_its_server(
+    tmp_path, server_imports_this_module
+):
+    """The server is forked from the launcher once it has imported torch (one import, not
+    two: seconds of CPU per launch); its workers run and report as before, and it still ends
+    with its launcher, killed (its "alive" pipe's other end is not its own)."""
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", LAUNCHER_BEFORE_TORCH, str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert launcher.stdout is not None
+        said = json.loads(launcher.stdout.readline() or "null")
+        assert said is not None, launcher.communicate(timeout=10)[1]
+        assert said["server_is_a_fork"]  # not `python -c "from multiprocessing.forkserver..."`
+        assert said["exit_codes"] == {"0": 3}
+        seen = json.loads((tmp_path / "seen-0").read_text())
+        assert seen["name"] == "ddpcli rank 0" and seen["parent"] == said["server"]
+        assert seen["parent_threads"] == 1
+        launcher.kill()
+        _, errors = launcher.communicate(timeout=10)
+        deadline = time.monotonic() + 10
+        while not ended(said["server"]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert ended(said["server"]), "the forked server outlived its launcher"
+        assert "died unexpectedly" not in errors, errors  # the resource tracker, as before
+    finally:
+        launcher.kill()
+        launcher.wait(timeout=10)
 
 
 @linux_only
