@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import multiprocessing
+import multiprocessing.util
 import os
 import signal
 import sys
@@ -102,17 +103,18 @@ def server_forked_from_here() -> Iterator[None]:
     if "torch" in sys.modules or threading.active_count() > 1 or not os.path.isdir("/proc/self/fd"):
         yield
         return
-    from multiprocessing import resource_tracker, util
+    from multiprocessing import resource_tracker
 
     import torch  # noqa: F401 - the import the server shares instead of repeating
 
+    util: Any = multiprocessing.util  # private members used: typeshed does not list them
     resource_tracker.ensure_running()  # its own process, started as multiprocessing does
     spawn_new_interpreter = util.spawnv_passfds
     open_before = set(open_fds())
 
-    def fork_instead(path: str, args: Sequence[str], passfds: Sequence[int]) -> int:
+    def fork_instead(path: Any, args: Sequence[str], passfds: Sequence[int]) -> int:
         if "forkserver" not in args[-1]:  # not the server's command: as multiprocessing does
-            return spawn_new_interpreter(path, args, passfds)
+            return int(spawn_new_interpreter(path, args, passfds))
         util._flush_std_streams()  # else the server's children would print it again
         pid = os.fork()
         if pid == 0:
