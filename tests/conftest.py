@@ -130,7 +130,7 @@ def in_process(monkeypatch):
     monkeypatch.setenv("COLUMNS", "200")
     monkeypatch.setattr(sys, "path", list(sys.path))
     monkeypatch.setattr(
-        "ddpcli.launcher.launch.early_fork_server", lambda *args: contextlib.nullcontext()
+        "ddpcli.launcher.engine.early_fork_server", lambda *args: contextlib.nullcontext()
     )
     monkeypatch.setattr("gc.freeze", lambda: None)  # a launch's: for good, in this process
 

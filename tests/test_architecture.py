@@ -53,9 +53,9 @@ ALLOWED_IMPORTS: dict[str, set[str]] = {
     "checkpoint": parts("errors shared config data models"),
     # one rank's work: its world, data and model, checkpoints saved, the run's files written
     "training": parts("errors shared environments config models data checkpoint outputs"),
-    # a train config resolved against this machine (data, models, training.precision), its
-    # run folder claimed, training's worker started in each rank
-    "launcher": parts("errors shared environments config models data outputs training"),
+    # a run planned against this machine (data, models, training.precision, the resume file
+    # checked: checkpoint), its run folder claimed, training's worker started in each rank
+    "launcher": parts("errors shared environments config models data outputs checkpoint training"),
     # the two instruments start their ranks, and check the machine, as the launcher does
     "barrier": parts("errors shared environments config launcher"),
     "checkenv": parts("errors shared environments config launcher"),
@@ -177,7 +177,7 @@ def test_the_allowed_imports_are_layers():
 
 def test_a_forbidden_import_is_found():
     graph = {
-        "ddpcli.training.loop": {"ddpcli.launcher.launch", "ddpcli.data.pipeline"},
+        "ddpcli.training.loop": {"ddpcli.launcher.engine", "ddpcli.data.pipeline"},
         "ddpcli.config.train": {"ddpcli.cli.app", "ddpcli.models.archs"},
         "ddpcli.dist": {"ddpcli.environments", "ddpcli.training.precision"},
         "ddpcli.environments.world": {"ddpcli.errors", "ddpcli.ui"},
@@ -187,7 +187,7 @@ def test_a_forbidden_import_is_found():
         "ddpcli.config.train imports ddpcli.cli.app: config may not import cli",
         "ddpcli.dist imports ddpcli.training.precision: shared may not import training",
         "ddpcli.environments.world imports ddpcli.ui: environments may not import shared",
-        "ddpcli.training.loop imports ddpcli.launcher.launch: training may not import launcher",
+        "ddpcli.training.loop imports ddpcli.launcher.engine: training may not import launcher",
     ]
 
 
@@ -353,3 +353,110 @@ def test_modules_help_loads_do_not_import_torch_at_module_level(path):
         if name.split(".")[0] in HEAVY
     }
     assert not heavy, f"{path.name} imports {sorted(heavy)} at module level"
+
+
+# --- One plan per run ----------------------------------------------------------------------
+# The request (TrainConfig) is built by cli/ from the flags and the recipe, and planned by one
+# function that cli/ calls (launcher/plan.py:plan_run); the plan (RunPlan) is made there and,
+# for what only a rank can know, in training/settle.py. Nothing below cli/ rewrites either.
+PLANNER_CALLERS = ("ddpcli/cli/",)
+PLAN_MAKERS = ("ddpcli/launcher/plan.py", "ddpcli/training/settle.py")
+RUN_SETTINGS = ("TrainConfig", "RunPlan")
+
+
+def calls_to(tree: ast.AST, name: str) -> list[int]:
+    """Lines that call NAME, or NAME.something (`RunPlan.model_validate`)."""
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            target = node.func
+            while isinstance(target, ast.Attribute) and not isinstance(target.value, ast.Name):
+                target = target.value
+            base = target.value if isinstance(target, ast.Attribute) else target
+            if isinstance(base, ast.Name) and base.id == name:
+                lines.append(node.lineno)
+    return lines
+
+
+def settings_copied(tree: ast.AST) -> list[int]:
+    """Lines where a function copies a parameter typed as the request or the plan with
+    `model_copy` (pydantic does not validate the copy)."""
+    lines = []
+    for function in ast.walk(tree):
+        if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        typed = {
+            argument.arg
+            for argument in [*function.args.args, *function.args.kwonlyargs]
+            if argument.annotation is not None
+            and any(name in ast.unparse(argument.annotation) for name in RUN_SETTINGS)
+        }
+        for node in ast.walk(function):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "model_copy"
+                and isinstance(node.func.value, ast.Name)
+                and node.func.value.id in typed
+            ):
+                lines.append(node.lineno)
+    return lines
+
+
+def where(predicate) -> dict[str, list[int]]:
+    found = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        relative = str(path.relative_to(REPO))
+        if lines := predicate(relative, ast.parse(path.read_text())):
+            found[relative] = lines
+    return found
+
+
+def test_only_the_command_line_calls_the_planner():
+    callers = where(
+        lambda path, tree: [] if path.startswith(PLANNER_CALLERS) else calls_to(tree, "plan_run")
+    )
+    assert callers == {}, f"plan_run is cli/'s to call: {callers}"
+
+
+def test_only_the_planner_and_the_ranks_settlement_make_a_plan():
+    makers = where(
+        lambda path, tree: (
+            []
+            if path in PLAN_MAKERS
+            else [line for line in calls_to(tree, "RunPlan") if line not in json_reads(tree)]
+        )
+    )
+    assert makers == {}, (
+        f"a RunPlan is made by launcher/plan.py or training/settle.py only: {makers}"
+    )
+
+
+def json_reads(tree: ast.AST) -> set[int]:
+    """`RunPlan.model_validate_json(...)`: a worker reading the plan it was handed."""
+    return {
+        node.lineno
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == "model_validate_json"
+    }
+
+
+def test_nothing_rewrites_the_request_or_the_plan():
+    copies = where(lambda path, tree: settings_copied(tree))
+    assert copies == {}, f"the request and the plan are never copied with changes: {copies}"
+    from ddpcli.config import TrainConfig
+
+    with pytest.raises(ValueError, match="frozen"):
+        TrainConfig().epochs = 3  # type: ignore[misc]
+
+
+def test_a_plan_made_or_copied_elsewhere_is_found():
+    tree = ast.parse(
+        "def f(cfg: TrainConfig):\n    return cfg.model_copy(update={'lr': 1})\n"
+        "def g(values):\n    return RunPlan.model_validate(values)\n"
+        "def h(path):\n    return RunPlan.model_validate_json(path.read_text())\n"
+    )
+    assert settings_copied(tree) == [2]
+    assert calls_to(tree, "RunPlan") == [4, 6] and json_reads(tree) == {6}

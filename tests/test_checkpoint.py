@@ -36,6 +36,7 @@ from ddpcli.cli import app
 from ddpcli.config import TrainConfig
 from ddpcli.errors import DdpcliError
 from ddpcli.files import atomic_save, digest_status, sha256_path
+from ddpcli.launcher.plan import plan_run
 
 TINY_TRAIN = [
     "--cpu", "--nproc", "2", "--arch", "tinycnn", "--image-size", "16",
@@ -59,7 +60,8 @@ def training_payload(arch: str = "tinycnn", num_classes: int = 10, prefix: str =
     groups = weight_decay_groups(model, weight_decay=5e-4, norm_weight_decay=0.0)
     optimizer = torch.optim.SGD(groups, lr=0.1, momentum=0.9)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-    config = TrainConfig(arch=arch, epochs=3, cpu=True, image_size=16)
+    # The plan a run saves (ddpcli.launcher.plan): with its peak_lr, as every checkpoint has.
+    config = plan_run(TrainConfig(arch=arch, epochs=3, cpu=True, image_size=16), None)
     return {
         "format": FORMAT,
         "model": {prefix + key: value for key, value in model.state_dict().items()},

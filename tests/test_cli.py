@@ -210,18 +210,13 @@ def test_train_help_shows_each_default_and_the_choices():
     ) in option_row(lines, "--image-size")
     assert f"{resolve.DEFAULT_MASTER_PORT} on several nodes]" in option_row(lines, "--master-port")
     flags_without_value = {"--dry-run", "--json", "--help"}
-    from ddpcli.config.common import FLAG_SPELLINGS
+    from ddpcli.config.common import FLAG_SPELLINGS, flag_settings
 
-    for name in TrainConfig.model_fields:
+    # The config says which settings are flags: not the resolved ones, not those ddpcli's
+    # environment variables give, not --nnodes MIN:MAX's MIN.
+    for name in flag_settings(TrainConfig):
         flag = FLAG_SPELLINGS.get(name, f"--{name.replace('_', '-')}")
-        # peak_lr, world_from, precision_reason, requested_accumulate, wandb_offline,
-        # resume_checked: resolved, not given; min_nnodes: the MIN of --nnodes MIN:MAX; the
-        # others: debugging variables
-        settings = name not in (
-            "trace_samples", "slow_data", "peak_lr", "world_from", "min_nnodes", "precision_reason",
-            "requested_accumulate", "wandb_offline", "resume_checked",
-        )  # fmt: skip
-        if settings and flag not in flags_without_value:
+        if flag not in flags_without_value:
             assert "[default: " in option_row(lines, flag), flag
 
 

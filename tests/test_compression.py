@@ -102,6 +102,39 @@ def test_every_compression_keeps_the_replicas_bit_identical_after_every_step(tmp
     assert grad_ranks[0] > 1 and grad_ranks[1:] == [1] * (STEPS - 1)
 
 
+def owner_worker(rank: int, port: int, out: str) -> None:
+    """The strategy's ParallelModel holds the hook's state the checkpoint saves: PowerSGD's
+    (the one the hook steps), none for the stateless hooks and for no DDP at all."""
+    import torch.distributed as dist
+
+    from ddpcli.dist import DistContext
+    from ddpcli.models.build import build_model
+    from ddpcli.training.compression import PowerSGD
+    from ddpcli.training.strategy import parallelize
+
+    torch.set_num_threads(1)
+    cpu = torch.device("cpu")
+    cfg = TrainConfig(cpu=True, arch="tinycnn", grad_compression="powersgd:1")
+    ctx = DistContext(rank, rank, 1, 1, 0, cpu, "gloo")
+    alone = parallelize(build_model("tinycnn", 10, {}), cfg, ctx)  # no group: no DDP
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=1)
+    report: dict[str, object] = {"alone": alone.compression is None}
+    for compression in COMPRESSIONS:
+        cfg = TrainConfig(cpu=True, arch="tinycnn", grad_compression=compression)
+        parallel = parallelize(build_model("tinycnn", 10, {}), cfg, ctx)
+        for _ in range(2):
+            parallel.model(torch.randn(4, 3, 16, 16)).square().mean().backward()
+        state = parallel.compression
+        report[compression] = state.step if isinstance(state, PowerSGD) else None
+    Path(out, f"rank{rank}.json").write_text(json.dumps(report))
+    dist.destroy_process_group()
+
+
+def test_the_wrapped_models_owner_holds_the_powersgd_state_its_hook_steps(tmp_path):
+    (report,) = spawn_ranks(owner_worker, tmp_path, nprocs=1)
+    assert report == {"alone": True, "none": None, "fp16": None, "bf16": None, "powersgd:1": 2}
+
+
 # --- the header, the checkpoint and an exact resume, with the pairings ---------------------
 
 SETTINGS = [

@@ -18,25 +18,32 @@ from PIL import Image
 from test_data import write_image_folder
 
 from ddpcli.config import TrainConfig
+from ddpcli.config.plan import RunPlan
 from ddpcli.data import layout, sets
 from ddpcli.data.device import DeviceResidentBatches
 from ddpcli.data.pipeline import DataPipeline
 from ddpcli.data.sets import UnreadableImage, load_splits
 from ddpcli.dist import DistContext
 from ddpcli.errors import USAGE, DdpcliError
+from ddpcli.launcher.plan import plan_run
 
 
 def context(rank: int = 0, world_size: int = 1) -> DistContext:
     return DistContext(rank, rank, world_size, world_size, 0, torch.device("cpu"), "gloo")
 
 
-def folder_config(data_dir, out, **overrides) -> TrainConfig:
+def planned(**settings) -> RunPlan:
+    """The plan a run of these settings gets (ddpcli.launcher.plan), as its ranks receive it."""
+    return plan_run(TrainConfig(**settings), None)
+
+
+def folder_config(data_dir, out, **overrides) -> RunPlan:
     values = dict(
         dataset="imagefolder", data_dir=data_dir, arch="tinycnn", image_size=16,
         per_gpu_batch=4, epochs=1, cpu=True, nproc=1, workers=0, out=out, seed=3,
     )  # fmt: skip
     values.update(overrides)
-    return TrainConfig(**values)
+    return planned(**values)
 
 
 def write_garbage(path) -> None:
@@ -324,7 +331,7 @@ def test_ranks_waiting_for_a_failed_preparation_leave_quietly_before_rank_0(tmp_
     "size,world_size,batch", [(4097, 2, 64), (52, 2, 8), (64, 2, 8), (30, 4, 3), (7, 2, 4)]
 )
 def test_steps_per_epoch_counts_the_full_batches_each_rank_is_given(size, world_size, batch):
-    cfg = TrainConfig(per_gpu_batch=batch, image_size=8)
+    cfg = planned(per_gpu_batch=batch, image_size=8)
     for rank in range(world_size):
         data = DataPipeline(in_memory(size), cfg, context(rank, world_size), device_resident=True)
         batches = [labels for _, labels in data.train_batches(epoch=1)]
@@ -353,7 +360,7 @@ def test_device_batches_drop_only_the_partial_last_one():
 
 
 def test_a_batch_larger_than_each_rank_s_share_is_refused():
-    cfg = TrainConfig(per_gpu_batch=16, image_size=8)
+    cfg = planned(per_gpu_batch=16, image_size=8)
     with pytest.raises(DdpcliError, match="give each 15, less than one batch of 16"):
         DataPipeline(in_memory(30), cfg, context(0, 2), device_resident=True)
 
@@ -367,7 +374,7 @@ def test_a_batch_larger_than_each_rank_s_share_is_refused():
     ],
 )
 def test_the_header_says_how_many_images_an_epoch_trains_on(size, batch, words):
-    cfg = TrainConfig(per_gpu_batch=batch, image_size=8)
+    cfg = planned(per_gpu_batch=batch, image_size=8)
     data = DataPipeline(in_memory(size), cfg, context(0, 2), device_resident=True)
     assert data.describe_sizes().startswith(words)
 

@@ -251,8 +251,10 @@ def test_a_killed_ranks_loader_workers_die_with_it_and_its_peers_stop_at_once(tm
 # `ddpcli train` as a GPU job starts it: its workers run as programs, not forked.
 AS_PROGRAMS = """
 import sys
-import ddpcli.launcher.launch
-ddpcli.launcher.launch.forks_workers = lambda uses_gpus: False
+import ddpcli.launcher.engine
+import ddpcli.launcher.train_launch
+ddpcli.launcher.engine.forks_workers = lambda uses_gpus: False
+ddpcli.launcher.train_launch.forks_workers = lambda uses_gpus: False
 from ddpcli.cli import main
 sys.argv[0] = "ddpcli"
 main()

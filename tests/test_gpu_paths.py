@@ -23,6 +23,7 @@ from ddpcli.dist import DistContext
 from ddpcli.environments import LauncherEnv
 from ddpcli.errors import DdpcliError
 from ddpcli.launcher import resolve
+from ddpcli.launcher.plan import plan_run
 from ddpcli.training import header, parts, strategy, worker
 
 META = torch.device("meta")  # a device that is not the host: every copy to it is visible
@@ -81,7 +82,8 @@ def test_device_batches_never_synchronise_the_gpu(augment):
 def test_a_set_kept_on_the_device_leaves_no_host_copy(tmp_path):
     splits = sets.synthetic_splits(40, 8, seed=1)
     host_images = weakref.ref(splits.train.images)
-    cfg = TrainConfig(arch="tinycnn", image_size=8, per_gpu_batch=4, out=tmp_path, cpu=True)
+    request = TrainConfig(arch="tinycnn", image_size=8, per_gpu_batch=4, out=tmp_path, cpu=True)
+    cfg = plan_run(request, None)
     ctx = DistContext(0, 0, 1, 1, 0, META, "gloo")
     data = pipeline.DataPipeline(splits, cfg, ctx, device_resident=True)
     gc.collect()
@@ -175,7 +177,7 @@ def test_a_failed_rank_does_not_tear_down_its_group(monkeypatch, tmp_path):
     watchdogs (--timeout) before anyone hears of the failure: the worker must not call it."""
     ctx = DistContext(1, 1, 2, 2, 0, torch.device("cpu"), "gloo")
 
-    def out_of_memory(cfg, ctx):
+    def out_of_memory(cfg, ctx, resume):
         raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
     def teardown_that_hangs():
@@ -186,7 +188,7 @@ def test_a_failed_rank_does_not_tear_down_its_group(monkeypatch, tmp_path):
     monkeypatch.setattr(worker, "shutdown", teardown_that_hangs)
     env = LauncherEnv(rank=1, local_rank=1, world_size=2, local_world_size=2)
     with pytest.raises(RuntimeError, match="CUDA out of memory"):
-        worker.run_worker(TrainConfig(cpu=True, out=tmp_path), env)
+        worker.run_worker(plan_run(TrainConfig(cpu=True, out=tmp_path), None), env)
 
 
 def test_a_failed_rank_under_torchrun_says_which_rank_in_one_line(tmp_path):
@@ -319,9 +321,13 @@ def test_auto_precision_is_bf16_only_from_compute_capability_8(
     """cuDNN runs bf16 convolutions only from 8.0: on a V100 (7.0) or T4 (7.5) they take a
     slow path, so `auto` keeps fp32 there and says why."""
     gpu_of_capability(capability)
-    cfg = TrainConfig(precision="auto", lr=0.1, out=tmp_path)
+    from test_speed_paths import tiny_config
+
+    from ddpcli.training.settle import settle_rank
+
+    cfg = tiny_config(tmp_path, lr=0.1).model_copy(update={"precision": "auto", "cpu": False})
     ctx = DistContext(0, 0, 1, 1, 0, torch.device("cuda", 0), "nccl")
-    resolved = worker.finalize_for_device(cfg, ctx)
+    resolved = settle_rank(cfg, ctx, None, micro_batches=1)
     assert resolved.precision == precision
     assert f"compute capability {capability[0]}.{capability[1]}" in resolved.precision_reason
 
@@ -436,11 +442,11 @@ def test_under_a_launcher_gpus_torch_cannot_use_are_refused(tmp_path, monkeypatc
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     launcher = LauncherEnv(rank=0, local_rank=0, world_size=8, local_world_size=8)
     with pytest.raises(DdpcliError) as refused:
-        resolve.checked_train_config(TrainConfig(out=tmp_path), launcher)
+        plan_run(TrainConfig(out=tmp_path), launcher)
     assert refused.value.exit_code == 2
     assert "CUDA 13.0" in refused.value.message and "driver 535.104.05" in refused.value.message
     assert "580" in refused.value.message  # the driver CUDA 13 needs
-    cpu = resolve.checked_train_config(TrainConfig(out=tmp_path, cpu=True), launcher)
+    cpu = plan_run(TrainConfig(out=tmp_path, cpu=True), launcher)
     assert cpu.cpu
 
 

@@ -10,7 +10,7 @@ from conftest import LAUNCHER_VARIABLES
 from typer.testing import CliRunner
 
 from ddpcli.cli import app
-from ddpcli.launcher.launch import worker_environment
+from ddpcli.launcher.engine import worker_environment
 
 UUIDS = ["GPU-0a", "GPU-1b", "GPU-2c", "GPU-3d"]
 FAKE_NVIDIA_SMI = """#!/bin/sh

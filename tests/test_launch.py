@@ -140,7 +140,7 @@ def test_torchrun_spellings_launch_the_same_world(tmp_path, in_process, monkeypa
     with --standalone in test_torchrun_flags_run_a_script_and_standalone_keeps_its_port)."""
     launched = []
     monkeypatch.setattr(
-        "ddpcli.launcher.scriptlaunch.launch_script", lambda cfg, debug: launched.append(cfg)
+        "ddpcli.launcher.script_launch.launch_script", lambda cfg, debug: launched.append(cfg)
     )
     write_script(tmp_path, "all_reduce.py", ALL_REDUCE)
     for given in (["--nproc", "2"], flags):
@@ -485,8 +485,8 @@ def test_torchrun_flags_that_make_sense_are_taken():
     from torch.distributed.elastic.multiprocessing import Std
 
     from ddpcli.config.launch import build_launch_config
-    from ddpcli.launcher.launch import launch_config
-    from ddpcli.launcher.scriptlaunch import script_job
+    from ddpcli.launcher.engine import launch_config
+    from ddpcli.launcher.script_launch import script_job
 
     flags = {
         "target": "train.py", "nproc": "2", "rdzv_conf": "timeout=40,read_timeout=70",
@@ -720,16 +720,16 @@ def test_a_workers_child_that_ignores_signals_is_ended(tmp_path):
 )
 def test_without_nproc_launch_starts_one_process_per_granted_gpu(monkeypatch, visible, expected):
     from ddpcli.config.launch import build_launch_config
-    from ddpcli.launcher import scriptlaunch
+    from ddpcli.launcher import script_launch
 
-    monkeypatch.setattr(scriptlaunch, "physical_gpu_count", lambda: 8)
+    monkeypatch.setattr(script_launch, "physical_gpu_count", lambda: 8)
     if visible is None:
         monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     else:
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
-    cfg = scriptlaunch.resolve_script_launch(build_launch_config({"target": "x.py"}, environ={}))
+    cfg = script_launch.resolve_script_launch(build_launch_config({"target": "x.py"}, environ={}))
     if expected is None:  # no GPU granted: the CPU's default
-        assert (cfg.gpus, cfg.nproc_per_node) == (None, scriptlaunch.CPU_PROCESSES)
+        assert (cfg.gpus, cfg.nproc_per_node) == (None, script_launch.CPU_PROCESSES)
     else:
         assert cfg.nproc_per_node == len(expected)
         assert cfg.gpus == (expected if visible else None)

@@ -118,15 +118,11 @@ def test_a_nan_loss_keeps_the_last_good_checkpoint(two_step_reference, tmp_path,
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf])
 def test_non_finite_weights_are_never_saved(tmp_path, bad):
-    from test_speed_paths import context, pipeline, tiny_config
+    from test_speed_paths import context, rank_trainer, tiny_config
 
     from ddpcli.errors import DdpcliError
-    from ddpcli.training.loop import Trainer
-    from ddpcli.training.worker import finalize_for_device
 
-    ctx = context()
-    cfg = finalize_for_device(tiny_config(tmp_path, synthetic_size=32), ctx)
-    trainer = Trainer(cfg, ctx, pipeline(cfg, ctx, True))
+    trainer = rank_trainer(tiny_config(tmp_path, synthetic_size=32), context())
     trainer.check_weights()  # finite: nothing to say
     with torch.no_grad():
         next(trainer.model.parameters())[0].fill_(bad)
@@ -141,14 +137,9 @@ def test_non_finite_weights_are_never_saved(tmp_path, bad):
 
 def in_process_trainer(tmp_path: Path, **overrides):
     """One CPU rank without a process group: the Trainer exactly as a worker builds it."""
-    from test_speed_paths import context, pipeline, tiny_config
+    from test_speed_paths import context, rank_trainer, tiny_config
 
-    from ddpcli.training.loop import Trainer
-    from ddpcli.training.worker import finalize_for_device
-
-    ctx = context()
-    cfg = finalize_for_device(tiny_config(tmp_path, **overrides), ctx)
-    return Trainer(cfg, ctx, pipeline(cfg, ctx, True))
+    return rank_trainer(tiny_config(tmp_path, **overrides), context())
 
 
 @pytest.mark.parametrize(

@@ -15,6 +15,7 @@ from ddpcli.checkpoint.schema import resume_warnings, world_change_line
 from ddpcli.config import TrainConfig, build_train_config
 from ddpcli.config.train import describe_lr, scaled_lr
 from ddpcli.errors import DdpcliError
+from ddpcli.launcher.plan import plan_run
 from ddpcli.training.schedule import use_peak_lr, warmup_cosine
 
 
@@ -54,7 +55,8 @@ def test_the_header_line_states_rule_and_result():
 
 
 def test_the_rate_comes_from_the_world_the_worker_has():
-    cfg = TrainConfig(arch="resnet18", cpu=True, nproc=2, per_gpu_batch=32, accumulate=2)
+    request = TrainConfig(arch="resnet18", cpu=True, nproc=2, per_gpu_batch=32, accumulate=2)
+    cfg = plan_run(request, None)
     assert cfg.global_batch == 128 and cfg.peak_lr_at(cfg.world_size) == 0.05
     # Under torchrun with 8 processes the config still says --nproc 2; the worker's world wins.
     assert cfg.global_batch_at(8) == 512 and cfg.peak_lr_at(8) == 0.2
@@ -99,8 +101,8 @@ def test_bad_scaling_rule_is_a_usage_error(in_process):
 
 
 def test_resume_with_another_world_names_batch_and_rate_old_and_new():
-    saved = TrainConfig(arch="resnet18", cpu=True, nproc=2, per_gpu_batch=32, peak_lr=0.025)
-    saved = saved.model_dump(mode="json")
+    saved = TrainConfig(arch="resnet18", cpu=True, nproc=2, per_gpu_batch=32)
+    saved = saved.model_dump(mode="json") | {"peak_lr": 0.025}
     payload = {"world_size": 2, "config": saved}
     now = saved | {"peak_lr": 0.1}  # the same flags in a world of 8
     assert resume_warnings(payload, now, world_size=8) == []  # the world's line says it

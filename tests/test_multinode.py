@@ -22,7 +22,7 @@ from conftest import LiveProcess, clean_env, free_port, read_metrics, run_cli, t
 from netns import Host, bridged_hosts, two_hosts
 
 from ddpcli.config import TrainConfig
-from ddpcli.launcher.launch import train_environment
+from ddpcli.launcher.train_launch import train_environment
 
 TINY = ["--cpu", "--arch", "tinycnn", "--image-size", "16", "--per-gpu-batch", "16"]
 ONE_EPOCH = [*TINY, "--synthetic-size", "256", "--epochs", "1"]
@@ -242,8 +242,8 @@ def test_nodes_with_different_settings_stop_at_once_naming_them(tmp_path):
 
 
 def test_only_the_per_node_settings_may_differ():
-    from ddpcli.launcher.launch import settings_every_node_shares
     from ddpcli.launcher.rollcall import disagreements
+    from ddpcli.launcher.train_launch import settings_every_node_shares
 
     node0 = TrainConfig(cpu=True, nnodes=2, node_rank=0, out=Path("/a"), timeout=30, lr=0.1)
     node1 = TrainConfig(

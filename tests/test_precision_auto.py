@@ -10,13 +10,13 @@ from test_speed_paths import train_in_process
 
 from ddpcli.config import build_train_config
 from ddpcli.errors import DdpcliError
-from ddpcli.launcher.resolve import resolve_train_config
+from ddpcli.launcher.plan import plan_run
 from ddpcli.training.precision import native_cpu_bf16
 
 
 def resolve(tmp_path, **flags):
     flags = {"cpu": True, "out": tmp_path, **flags}
-    return resolve_train_config(build_train_config(flags, None), None)
+    return plan_run(build_train_config(flags, None), None)
 
 
 @pytest.fixture

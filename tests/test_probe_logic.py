@@ -26,7 +26,7 @@ from ddpcli.checkenv.probe_plan import (
 from ddpcli.checkenv.probe_ranks import LocalRank
 from ddpcli.config.checkenv import CheckEnvOptions, build_check_options
 from ddpcli.errors import DdpcliError
-from ddpcli.launcher import launch, rollcall
+from ddpcli.launcher import engine, rollcall
 from ddpcli.launcher.rollcall import MasterUnreachable, NodeZeroGaveUp, RollCall
 
 LOCAL_MASTER = Master("127.0.0.1", 29500, "127.0.0.1", True, "lo")
@@ -724,12 +724,12 @@ def test_probe_names_a_non_pytorch_service_on_the_master_port():
 
 def test_a_node_of_train_names_a_non_pytorch_service_on_the_master_port():
     with OtherService() as service:
-        job = launch.WorkerJob(
+        job = engine.WorkerJob(
             module="m", args=[], nproc_per_node=1, nnodes=2, node_rank=1,
             master_addr="127.0.0.1", master_port=service.port, timeout_s=5.0,
         )  # fmt: skip
         with pytest.raises(DdpcliError) as failed:
-            launch.roll_call(job)
+            engine.roll_call(job)
     assert f"node 1: a non-PyTorch service answers at 127.0.0.1:{service.port}" in str(failed.value)
 
 
@@ -831,17 +831,17 @@ def test_node_record_names_the_gpus_only_for_nccl(monkeypatch):
 # --- launch's roll call: the same mechanism, its own words -----------------------------------
 
 
-def job(node_rank: int, nnodes: int = 2) -> launch.WorkerJob:
-    return launch.WorkerJob(module="m", args=[], nproc_per_node=2, nnodes=nnodes,
+def job(node_rank: int, nnodes: int = 2) -> engine.WorkerJob:
+    return engine.WorkerJob(module="m", args=[], nproc_per_node=2, nnodes=nnodes,
                             node_rank=node_rank, master_addr="10.0.0.1", master_port=29500,
                             timeout_s=0.05)  # fmt: skip
 
 
 def test_launch_roll_call_node_0_names_the_missing_node_and_posts_why(monkeypatch):
     store = FakeStore()
-    monkeypatch.setattr(launch, "open_store", lambda *args, **kwargs: store)
+    monkeypatch.setattr(engine, "open_store", lambda *args, **kwargs: store)
     with pytest.raises(DdpcliError) as caught:
-        launch.roll_call(job(0, nnodes=3))
+        engine.roll_call(job(0, nnodes=3))
     message = caught.value.message
     assert message.startswith("only 1 of 3 nodes joined at 10.0.0.1:29500 within 0.05s")
     assert "(2 of 6 ranks); missing node rank(s): 1, 2" in message
@@ -850,9 +850,9 @@ def test_launch_roll_call_node_0_names_the_missing_node_and_posts_why(monkeypatc
 
 def test_launch_roll_call_other_nodes_repeat_node_0s_verdict(monkeypatch):
     store = FakeStore({"ddpcli/roll/0": "h0", "ddpcli/roll/verdict": "only 2 of 3 nodes joined"})
-    monkeypatch.setattr(launch, "open_store", lambda *args, **kwargs: store)
+    monkeypatch.setattr(engine, "open_store", lambda *args, **kwargs: store)
     with pytest.raises(DdpcliError) as caught:
-        launch.roll_call(job(1, nnodes=3))
+        engine.roll_call(job(1, nnodes=3))
     assert caught.value.message == "node 1: node 0 gave up: only 2 of 3 nodes joined"
 
 
@@ -862,17 +862,17 @@ def roll_answer(host: str, **settings: str) -> str:
 
 def test_launch_roll_call_when_every_node_came(monkeypatch):
     store = FakeStore({"ddpcli/roll/0": roll_answer("h0")})
-    monkeypatch.setattr(launch, "open_store", lambda *args, **kwargs: store)
-    assert launch.roll_call(job(1)) is store
+    monkeypatch.setattr(engine, "open_store", lambda *args, **kwargs: store)
+    assert engine.roll_call(job(1)) is store
     assert json.loads(store.get("ddpcli/roll/1")) == {"host": socket.gethostname(), "settings": {}}
 
 
 def test_launch_roll_call_names_the_settings_the_nodes_disagree_on(monkeypatch):
     store = FakeStore({"ddpcli/roll/0": roll_answer("h0", per_gpu_batch="16", lr="0.1")})
-    monkeypatch.setattr(launch, "open_store", lambda *args, **kwargs: store)
-    mine = launch.WorkerJob(**{**vars(job(1)), "settings": {"per_gpu_batch": "32", "lr": "0.1"}})
+    monkeypatch.setattr(engine, "open_store", lambda *args, **kwargs: store)
+    mine = engine.WorkerJob(**{**vars(job(1)), "settings": {"per_gpu_batch": "32", "lr": "0.1"}})
     with pytest.raises(DdpcliError) as caught:
-        launch.roll_call(mine)
+        engine.roll_call(mine)
     assert caught.value.exit_code == 1
     here = socket.gethostname()
     assert f"  --per-gpu-batch: 16 on node 0 (h0); 32 on node 1 ({here})" in caught.value.message
@@ -884,9 +884,9 @@ def test_launch_roll_call_without_a_master(monkeypatch):
     def unreachable(*args, **kwargs):
         raise MasterUnreachable("nothing listens there (refused)")
 
-    monkeypatch.setattr(launch, "open_store", unreachable)
+    monkeypatch.setattr(engine, "open_store", unreachable)
     with pytest.raises(DdpcliError) as caught:
-        launch.roll_call(job(1))
+        engine.roll_call(job(1))
     assert caught.value.exit_code == 1
     assert caught.value.message.startswith(
         "node 1: could not reach the master at 10.0.0.1:29500 within 0.05s"
@@ -894,9 +894,9 @@ def test_launch_roll_call_without_a_master(monkeypatch):
 
 
 def test_launch_roll_call_that_loses_the_master(monkeypatch):
-    monkeypatch.setattr(launch, "open_store", lambda *args, **kwargs: FakeStore(broken=True))
+    monkeypatch.setattr(engine, "open_store", lambda *args, **kwargs: FakeStore(broken=True))
     with pytest.raises(DdpcliError) as caught:
-        launch.roll_call(job(1))
+        engine.roll_call(job(1))
     assert caught.value.message.startswith(
         "node 1: lost the master at 10.0.0.1:29500 before all nodes joined (Connection reset"
     )

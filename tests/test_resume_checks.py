@@ -50,7 +50,9 @@ def test_a_dry_run_refuses_a_missing_resume_file_as_the_run_does(in_process, tmp
 
 def test_resume_hashes_the_file_once_unless_it_changed_since_the_check(tmp_path, monkeypatch):
     from ddpcli import files
-    from ddpcli.checkpoint.schema import load_training_checkpoint, with_checked_resume
+    from ddpcli.checkpoint.schema import load_training_checkpoint
+    from ddpcli.config.plan import RunPlan
+    from ddpcli.launcher.plan import plan_run
 
     last = tmp_path / "run" / "checkpoints" / "last.pt"
     atomic_save(resumable_payload(), last)
@@ -58,12 +60,10 @@ def test_resume_hashes_the_file_once_unless_it_changed_since_the_check(tmp_path,
     real_sha256 = files.file_sha256
     monkeypatch.setattr(files, "file_sha256", lambda path: hashed.append(path) or real_sha256(path))
 
-    cfg = with_checked_resume(TrainConfig(resume="auto", out=tmp_path / "run"))  # the launcher
+    cfg = plan_run(TrainConfig(resume="auto", out=tmp_path / "run", cpu=True), None)  # the launcher
     assert len(hashed) == 1
     # The worker reads its config from the launcher's request
-    worker_cfg = TrainConfig.model_validate_json(
-        cfg.model_dump_json(context={WITH_CREDENTIALS: True})
-    )
+    worker_cfg = RunPlan.model_validate_json(cfg.model_dump_json(context={WITH_CREDENTIALS: True}))
     load_training_checkpoint(last, "cpu", worker_cfg.resume_checked)
     assert len(hashed) == 1
 

@@ -16,13 +16,14 @@ from conftest import clean_env, run_cli, run_on_read_only_mount, write_noise_fol
 from test_faults import SHORT_RUN, TINY, Background, assert_no_worker_left, child_workers
 
 from ddpcli.config import TrainConfig
+from ddpcli.config.plan import RunPlan
 from ddpcli.environments import LauncherEnv, restarted_by
 from ddpcli.errors import DdpcliError
+from ddpcli.launcher.resolve import checked_settings
 from ddpcli.launcher.resources import capacity_warnings
 from ddpcli.outputs.runfolder import (
     RunFolderLock,
     claim_run_folder,
-    continue_after_requeue,
     describe_earlier_run,
     membership,
 )
@@ -31,6 +32,12 @@ from ddpcli.outputs.runfolder import (
 def config(out: Path, **settings) -> TrainConfig:
     settings = {"cpu": True, "nproc": 2, "arch": "tinycnn", "image_size": 16, **settings}
     return TrainConfig(out=out, **settings)
+
+
+def first_stage(request: TrainConfig, environ: dict[str, str]) -> RunPlan:
+    """The plan's first stage (ddpcli.launcher.plan), which takes a requeue as --resume auto;
+    the second would check this test's stand-in checkpoint."""
+    return RunPlan.model_validate(checked_settings(request, None, environ))
 
 
 def earlier_run(out: Path, epochs: int = 2, planned: int = 4) -> None:
@@ -156,14 +163,12 @@ def test_a_requeue_is_read_from_the_scheduler(variables, expected):
 
 def test_a_requeued_job_resumes_by_itself(tmp_path, capsys):
     earlier_run(tmp_path)
-    cfg = continue_after_requeue(
-        config(tmp_path, overwrite=True), None, {"SLURM_RESTART_COUNT": "1"}
-    )
+    cfg = first_stage(config(tmp_path, overwrite=True), {"SLURM_RESTART_COUNT": "1"})
     assert cfg.resume == "auto" and not cfg.overwrite  # a requeue never clears the run
     assert "SLURM_RESTART_COUNT=1: this job was started again" in capsys.readouterr().err
     with claim_run_folder(cfg, None):
         assert (tmp_path / "metrics.jsonl").exists()
-    first_start = continue_after_requeue(config(tmp_path), None, {})
+    first_start = first_stage(config(tmp_path), {})
     assert first_start.resume is None
 
 
@@ -267,7 +272,7 @@ def test_the_warning_comes_before_launch(tmp_path, monkeypatch):
 
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID"):
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr("ddpcli.launcher.launch.run_workers", no_launch)
+    monkeypatch.setattr("ddpcli.launcher.train_launch.run_workers", no_launch)
     monkeypatch.setattr("ddpcli.launcher.resources.cpu_count", lambda: 2)
     result = CliRunner().invoke(
         app, ["train", "--cpu", "--nproc", "64", "--arch", "tinycnn", "--out", str(tmp_path)]

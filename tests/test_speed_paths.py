@@ -11,14 +11,15 @@ from conftest import run_cli
 from test_data import write_image_folder
 
 from ddpcli.config import TrainConfig, build_train_config
+from ddpcli.config.plan import RunPlan
 from ddpcli.data.pipeline import IMAGENET_MEAN, DataPipeline
 from ddpcli.data.sets import load_splits
 from ddpcli.dist import DistContext
 from ddpcli.errors import DdpcliError
-from ddpcli.launcher.resolve import resolve_train_config
+from ddpcli.launcher.plan import plan_run
 from ddpcli.training.loop import Trainer
+from ddpcli.training.settle import settle_rank
 from ddpcli.training.strategy import balanced_split, dataparallel_split
-from ddpcli.training.worker import finalize_for_device
 
 TINY = ["--arch", "tinycnn", "--image-size", "16", "--per-gpu-batch", "16"]
 
@@ -28,17 +29,23 @@ def context(rank: int = 0, world_size: int = 1, device: str = "cpu") -> DistCont
     return DistContext(rank, rank, world_size, world_size, 0, torch.device(device), backend)
 
 
-def tiny_config(tmp_path, **overrides) -> TrainConfig:
+def tiny_config(tmp_path, **overrides) -> RunPlan:
     values = dict(
         arch="tinycnn", image_size=16, per_gpu_batch=8, synthetic_size=52, epochs=1, cpu=True,
         nproc=1, workers=0, out=tmp_path, seed=7,
     )  # fmt: skip
     values.update(overrides)
-    return TrainConfig(**values)
+    return plan_run(TrainConfig(**values), None)
 
 
-def pipeline(cfg: TrainConfig, ctx: DistContext, device_resident: bool) -> DataPipeline:
+def pipeline(cfg: RunPlan, ctx: DistContext, device_resident: bool) -> DataPipeline:
     return DataPipeline(load_splits(cfg, ctx, device_resident), cfg, ctx, device_resident)
+
+
+def rank_trainer(plan: RunPlan, ctx: DistContext) -> Trainer:
+    """One CPU rank without a process group: the Trainer exactly as a worker builds it."""
+    data = pipeline(plan, ctx, True)
+    return Trainer(settle_rank(plan, ctx, plan.resume, data.steps_per_epoch()), ctx, data)
 
 
 def collect(batches) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -134,8 +141,8 @@ def test_dataparallel_split_is_torch_chunk():
 # --- Legacy strategies, precision, compile -------------------------------------------------
 
 
-def resolve(**flags) -> TrainConfig:
-    return resolve_train_config(build_train_config(flags, None), None)
+def resolve(**flags) -> RunPlan:
+    return plan_run(build_train_config(flags, None), None)
 
 
 def test_legacy_strategies_need_two_gpus(tmp_path):
@@ -153,21 +160,26 @@ def test_legacy_strategies_need_two_gpus(tmp_path):
         resolve(cpu=True, gpu0_batch=2)
 
 
-def train_in_process(cfg: TrainConfig) -> tuple[Trainer, dict]:
+def train_in_process(cfg: RunPlan) -> tuple[Trainer, dict]:
     """One CPU rank without a process group: the Trainer exactly as a worker builds it."""
-    ctx = context()
-    cfg = finalize_for_device(cfg, ctx)
     cfg.out.mkdir(parents=True, exist_ok=True)
-    trainer = Trainer(cfg, ctx, pipeline(cfg, ctx, True))
-    return trainer, trainer.fit()
+    trainer = rank_trainer(cfg, context())
+    return trainer, trainer.fit().last_epoch
 
 
-def test_precision_auto_on_the_cpu_asks_the_processor(monkeypatch):
-    monkeypatch.setattr("ddpcli.training.worker.native_cpu_bf16", lambda: None)
-    cfg = finalize_for_device(TrainConfig(cpu=True, arch="tinycnn"), context())
+def settled_on_a_cpu(tmp_path) -> RunPlan:
+    """A rank on the CPU of a machine its launcher took for a GPU one: --precision auto is
+    the rank's to settle."""
+    plan = tiny_config(tmp_path).model_copy(update={"precision": "auto"})
+    return settle_rank(plan, context(), None, micro_batches=3)
+
+
+def test_precision_auto_on_the_cpu_asks_the_processor(monkeypatch, tmp_path):
+    monkeypatch.setattr("ddpcli.training.settle.native_cpu_bf16", lambda: None)
+    cfg = settled_on_a_cpu(tmp_path)
     assert cfg.precision == "fp32" and cfg.backend == "gloo"
-    monkeypatch.setattr("ddpcli.training.worker.native_cpu_bf16", lambda: "AVX512_BF16")
-    cfg = finalize_for_device(TrainConfig(cpu=True, arch="tinycnn"), context())
+    monkeypatch.setattr("ddpcli.training.settle.native_cpu_bf16", lambda: "AVX512_BF16")
+    cfg = settled_on_a_cpu(tmp_path)
     assert cfg.precision == "bf16" and "AVX512_BF16" in cfg.precision_reason
 
 

@@ -19,6 +19,7 @@ from test_speed_paths import assert_same_batches, collect, context, pipeline, ti
 from ddpcli.checkpoint.loading import safe_load
 from ddpcli.checkpoint.schema import resumed_position, sample_offset, world_change_line
 from ddpcli.config import TrainConfig
+from ddpcli.config.plan import RunPlan
 from ddpcli.config.train import accumulate_keeping
 from ddpcli.data.pipeline import train_shard
 from ddpcli.data.ra_sampler import repeated_shard
@@ -33,6 +34,8 @@ from ddpcli.data.resharding import (
     split_in_batches,
 )
 from ddpcli.dist import DistContext
+from ddpcli.launcher.plan import plan_run
+from ddpcli.training.settle import accumulation_after
 
 # (set size, old world, new world, per-process batch, micro-batches trained at the old world)
 CASES = [
@@ -182,16 +185,23 @@ def test_the_offset_of_a_file_from_before_it_was_recorded_is_derived():
     assert resumed_position(again, world_size=4, per_gpu_batch=4) == (52, 0)
 
 
+def planned(world: int, per_gpu_batch: int, **flags) -> RunPlan:
+    request = TrainConfig(arch="tinycnn", cpu=True, nproc=world, per_gpu_batch=per_gpu_batch,
+                          **flags)  # fmt: skip
+    return plan_run(request, None)
+
+
 def saved_config(world: int, per_gpu_batch: int, accumulate: int = 1) -> dict:
-    cfg = TrainConfig(arch="tinycnn", cpu=True, nproc=world, per_gpu_batch=per_gpu_batch,
-                      accumulate=accumulate)  # fmt: skip
-    return cfg.model_copy(update={"peak_lr": cfg.peak_lr_at(world)}).model_dump(mode="json")
+    return planned(world, per_gpu_batch, accumulate=accumulate).model_dump(mode="json")
 
 
 def resumed(saved: dict, saved_world: int, world: int, **flags) -> dict:
-    cfg = TrainConfig(arch="tinycnn", cpu=True, nproc=world, per_gpu_batch=16, **flags)
-    cfg = cfg.for_world_change(saved, saved_world, world)
-    return cfg.model_copy(update={"peak_lr": cfg.peak_lr_at(world)}).model_dump(mode="json")
+    """What a rank of WORLD settles (ddpcli.training.settle) resuming from SAVED."""
+    plan = planned(world, 16, **flags)
+    accumulate, requested = accumulation_after(plan, saved, saved_world, world)
+    peak_lr = plan.model_copy(update={"accumulate": accumulate}).peak_lr_at(world)
+    settled = {"accumulate": accumulate, "requested_accumulate": requested, "peak_lr": peak_lr}
+    return {**plan.model_dump(mode="json"), **settled}
 
 
 def test_a_divisible_world_keeps_the_global_batch_by_accumulating():

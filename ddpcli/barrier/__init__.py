@@ -4,13 +4,15 @@
 - `demos`: the staggered-sleep and zero-first demos;
 - `measure`: barrier latency and collective bandwidth;
 - `hang`: a hung barrier turned into one summary;
-- `run`: the ranks started and their report read; `worker`: what each rank runs.
+- `run`: the benchmark's launch, its ranks started on the launcher's engine and their report
+  read; `worker`: what each rank runs.
+
+This package's own import is light (no torch): the command names BARRIER_WORKER_MODULE to
+its fork server, which imports torch while the command goes on, before it imports `run`.
 
 May import launcher/ (its ranks are started as training's are), config/, environments/ and
 the shared top-level modules. tests/test_architecture.py holds the table.
 """
 
-from ddpcli.barrier.hang import BarrierHang
-from ddpcli.barrier.run import run_bench
-
-__all__ = ["BarrierHang", "run_bench"]
+# What each rank runs: `python -m ddpcli.barrier.worker`, or forked from a server importing it.
+BARRIER_WORKER_MODULE = "ddpcli.barrier.worker"

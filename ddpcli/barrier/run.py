@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from ddpcli import ui
+from ddpcli.barrier import BARRIER_WORKER_MODULE
 from ddpcli.barrier.demos import demo_summary, staggered_demo, zero_first_demo
 from ddpcli.barrier.hang import BarrierHang, collect_hang
 from ddpcli.barrier.measure import measure_collective, measure_latency
@@ -28,8 +29,8 @@ from ddpcli.config import BarrierConfig
 from ddpcli.dist import DistContext, init_distributed, shutdown
 from ddpcli.environments import LauncherEnv, read_launcher_env
 from ddpcli.errors import DdpcliError, usage_error
+from ddpcli.launcher.engine import WorkerJob, run_workers, worker_environment
 from ddpcli.launcher.fork import forks_workers
-from ddpcli.launcher.launch import BARRIER_WORKER_MODULE, WorkerJob, run_workers, worker_environment
 from ddpcli.launcher.resolve import check_torch_sees_gpus
 from ddpcli.machine import check_gpu_indices, cpu_count
 

@@ -30,6 +30,8 @@ from ddpcli.checkpoint.loading import (
     unchecked_digest_reason,
 )
 from ddpcli.config import TrainConfig
+from ddpcli.config.common import CHANGES_RESULT, settings_of_kind
+from ddpcli.config.plan import RunPlan
 from ddpcli.data.resharding import samples_trained
 from ddpcli.dist import DistContext
 from ddpcli.errors import usage_error
@@ -40,16 +42,10 @@ TRAINING_KEYS = (
     "model", "optimizer", "scheduler", "epoch", "batch_in_epoch", "step", "metrics", "config",
     "rng", "world_size",
 )  # fmt: skip
-# Settings that change the arithmetic: resuming with other values cannot reproduce the run.
-# Not --max-steps: it only says where a run stops, and a resume may raise or drop it.
-RESULT_SETTINGS = (
-    "arch", "model_args", "dataset", "image_size", "synthetic_size", "epochs", "per_gpu_batch",
-    "accumulate", "lr", "lr_base_batch", "lr_scaling", "optimizer", "betas", "momentum",
-    "weight_decay", "warmup_epochs", "label_smoothing", "seed", "precision", "augment",
-    "norm_weight_decay", "sync_bn", "ema", "ema_decay", "ema_steps", "mixup_alpha",
-    "cutmix_alpha", "auto_augment", "random_erase", "ra_reps", "train_crop_size",
-    "val_resize_size", "val_crop_size", "grad_compression", "powersgd_start_step",
-)  # fmt: skip
+# Settings that change the arithmetic (marked so on TrainConfig's fields): resuming with
+# other values cannot reproduce the run. Not --max-steps: it only says where a run stops,
+# and a resume may raise or drop it.
+RESULT_SETTINGS = settings_of_kind(TrainConfig, CHANGES_RESULT)
 
 
 @dataclass
@@ -91,7 +87,7 @@ class TrainingParts:
 def training_payload(
     parts: TrainingParts,
     state: TrainState,
-    cfg: TrainConfig,
+    cfg: RunPlan,
     ctx: DistContext,
     num_classes: int,
     classes: list[str] | None = None,
@@ -212,7 +208,7 @@ def load_training_checkpoint(
 ) -> dict[str, Any]:
     """A checkpoint `--resume` can continue from: safe, uncorrupted, and complete. Its bytes
     are hashed unless CHECKED_STAMP says the launcher hashed this very file
-    (`with_checked_resume`): reading a large file once more is seconds per rank."""
+    (`ddpcli.launcher.plan`): reading a large file once more is seconds per rank."""
     unchanged = checked_stamp is not None and file_stamp(path) == checked_stamp
     payload = safe_load(path, map_location=map_location, check_digest=not unchanged)
     check_training_payload(payload, path)
@@ -320,28 +316,7 @@ def shown_rate(rate: Any) -> str:
     return f"{rate:g}" if isinstance(rate, (int, float)) else "?"
 
 
-def resized_for_resume(cfg: TrainConfig, world_size: int) -> TrainConfig:
-    """CFG with the batch policy of a world change applied (`TrainConfig.for_world_change`)
-    when it resumes from a file another world wrote. Structure only (memory-mapped): a file
-    that cannot be resumed is refused, with its reason, when the trainer loads it."""
-    path = find_resume_path(cfg)
-    if path is None or not path.is_file():
-        return cfg
-    payload = safe_load(path, lazy=True)
-    if not isinstance(payload, dict) or not isinstance(payload.get("config"), dict):
-        return cfg
-    if not isinstance(payload.get("world_size"), int):
-        return cfg
-    return cfg.for_world_change(payload["config"], payload["world_size"], world_size)
-
-
-def with_checked_resume(cfg: TrainConfig) -> TrainConfig:
-    """CFG once its `--resume` file passed `check_resume_source`, with the file's stamp for
-    the workers: they hash it again only if it is no longer the file checked here."""
-    return cfg.model_copy(update={"resume_checked": check_resume_source(cfg)})
-
-
-def check_resume_source(cfg: TrainConfig) -> str | None:
+def check_resume_source(cfg: RunPlan) -> str | None:
     """For the launcher (and a dry run), before any worker starts: a missing, broken, unsafe
     or damaged `--resume` file is one line and exit 2 at once. What `checkpoint verify`
     checks is checked here (memory-mapped), and a digest that cannot be checked is said.
@@ -421,15 +396,20 @@ def check_optimizer_fits(
         )
 
 
-def find_resume_path(cfg: TrainConfig) -> Path | None:
+def find_resume_path(cfg: RunPlan) -> Path | None:
+    """The file `--resume` names: see `resume_path`."""
+    return resume_path(cfg.resume, cfg.out)
+
+
+def resume_path(resume: str | None, out: Path) -> Path | None:
     """`--resume auto` continues from OUT/checkpoints/last.pt when there is one; a folder
     given to `--resume` means its last.pt (or checkpoints/last.pt)."""
-    if not cfg.resume:
+    if not resume:
         return None
-    if cfg.resume == "auto":
-        last = cfg.resolved_out / "checkpoints" / "last.pt"
+    if resume == "auto":
+        last = out / "checkpoints" / "last.pt"
         return last if last.is_file() else None
-    path = Path(cfg.resume)
+    path = Path(resume)
     if path.is_dir():
         for candidate in (path / "last.pt", path / "checkpoints" / "last.pt"):
             if candidate.is_file():

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from ddpcli import ui
-from ddpcli.config import TrainConfig
+from ddpcli.config.plan import RunPlan
 from ddpcli.dist import DistContext, barrier
 from ddpcli.errors import DdpcliError, runtime_error
 from ddpcli.files import atomic_save, link_or_copy_atomic, sha256_path, write_text_atomic
@@ -19,8 +19,8 @@ class CheckpointWriter:
     keeps only the newest `keep_last` epoch/step files. Only rank 0 touches the disk; the
     barrier after it means no rank can read or overwrite a file that is half written."""
 
-    def __init__(self, cfg: TrainConfig, ctx: DistContext) -> None:
-        self.directory = cfg.resolved_out / "checkpoints"
+    def __init__(self, cfg: RunPlan, ctx: DistContext) -> None:
+        self.directory = cfg.out / "checkpoints"
         self.keep_last = cfg.keep_last
         self.ctx = ctx
 

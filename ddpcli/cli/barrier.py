@@ -140,10 +140,13 @@ def bench_barrier(
         if launcher is not None and flags["nproc"] is None and flags["gpus"] is None:
             flags["nproc"] = launcher.world_size  # torchrun decided; --sleeps must match it
         cfg = build_barrier_config(flags)
-        from ddpcli.launcher.launch import early_fork_server
+        from ddpcli.barrier import BARRIER_WORKER_MODULE
+        from ddpcli.launcher.engine import early_fork_server
 
-        with early_fork_server(cfg, launcher):  # it imports torch while this process does
-            from ddpcli.barrier import BarrierHang, run_bench
+        # The fork server imports torch while this process does.
+        with early_fork_server(BARRIER_WORKER_MODULE, cfg.uses_gpus, launcher):
+            from ddpcli.barrier.hang import BarrierHang
+            from ddpcli.barrier.run import run_bench
 
             on_start = None if json_output else (lambda: announce(cfg))
             try:

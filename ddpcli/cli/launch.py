@@ -1,4 +1,4 @@
-"""`ddpcli launch`: flags -> one validated ScriptLaunchConfig -> ddpcli.launcher.scriptlaunch.
+"""`ddpcli launch`: flags -> one validated ScriptLaunchConfig -> ddpcli.launcher.script_launch.
 
 torchrun's spellings (`--nproc-per-node`, `--node_rank`, `--master_addr`, ...) name the same
 options, so that `torchrun` can be replaced by `ddpcli launch` in a command line. Option
@@ -231,7 +231,7 @@ def launch(
 
     def action() -> None:
         from ddpcli.config import build_launch_config
-        from ddpcli.launcher.scriptlaunch import (
+        from ddpcli.launcher.script_launch import (
             check_before_start,
             launch_script,
             resolve_script_launch,

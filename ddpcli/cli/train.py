@@ -1,4 +1,5 @@
-"""`ddpcli train`: flags and a recipe -> one validated TrainConfig -> the launcher.
+"""`ddpcli train`: flags and a recipe -> the request (one validated TrainConfig) -> the run's
+plan (ddpcli.launcher.plan) -> the launcher.
 
 The options are declared in ddpcli.cli.train_options, one module per help panel; the
 signature below names them, panel by panel, in the order help shows them.
@@ -25,9 +26,9 @@ from ddpcli.cli.train_options import (
     outputs,
     processes,
 )
-from ddpcli.config import TrainConfig
-from ddpcli.environments import LauncherEnv
+from ddpcli.config.plan import RunPlan
 from ddpcli.errors import INTERRUPTED, RUNTIME, DdpcliError
+from ddpcli.outputs.summary import RunSummary
 
 COMMAND_OWN = ("recipe", "dry_run", "json_output")  # the command's options, not settings
 
@@ -146,71 +147,54 @@ def given_flags(arguments: dict[str, Any]) -> dict[str, Any]:
 def run_training(
     flags: dict[str, Any], recipe: Path | None, *, dry_run: bool, json_output: bool
 ) -> None:
-    """Flags and recipe -> one checked TrainConfig -> the launcher (or, dry, the config shown);
-    then rank 0 reports, or says where the run stopped."""
+    """Flags and recipe -> the request (one validated TrainConfig) -> the run's plan -> the
+    launcher (or, dry, the plan shown); then rank 0 reports, or says where the run stopped."""
     from ddpcli.config import build_train_config
+    from ddpcli.config.train import train_setting_origins
     from ddpcli.environments import read_launcher_env
-    from ddpcli.launcher.launch import early_fork_server
 
+    request = build_train_config(flags, recipe)
     launcher = read_launcher_env()
-    cfg = checked(build_train_config(flags, recipe), launcher, flags, recipe)
-    # CPU workers: their fork server imports torch beside us (ddpcli.launcher.fork).
-    with contextlib.nullcontext() if dry_run else early_fork_server(cfg, launcher):
-        launched = resolve_and_launch(cfg, launcher, dry_run=dry_run, json_output=json_output)
-    if launched is None:
-        return
-    cfg, summary = launched
-    if summary.get("stopped"):
+    from ddpcli.launcher.plan import plan_run  # after the request: a typo costs no import
+
+    with contextlib.ExitStack() as workers:
+
+        def start_fork_server(plan: RunPlan) -> None:
+            # CPU workers: their fork server shares our torch import (ddpcli.launcher.fork).
+            from ddpcli.launcher.engine import early_fork_server
+            from ddpcli.launcher.train_launch import WORKER_MODULE
+
+            workers.enter_context(early_fork_server(WORKER_MODULE, plan.uses_gpus, launcher))
+
+        plan = plan_run(
+            request,
+            launcher,
+            origins=train_setting_origins(flags, recipe),
+            on_checked=None if dry_run else start_fork_server,
+        )
+        if dry_run:
+            show_config(plan, json_output, plan.model_facts)
+            return
+        summary = launched(plan)
+    if summary.stop is not None:
         stopped = stopped_early(summary)
         if launcher is not None and launcher.rank != 0:  # torchrun's ranks: rank 0 says it
             raise SystemExit(stopped.exit_code)
         raise stopped
-    report_training(cfg, summary, json_output)
+    report_training(plan, summary, json_output)
 
 
-def checked(
-    cfg: TrainConfig, launcher: LauncherEnv | None, flags: dict[str, Any], recipe: Path | None
-) -> TrainConfig:
-    """The run checked against the flags and the disk, before torch is imported: a typo
-    costs nothing. An error names where each setting it names came from."""
-    from ddpcli.config.train import train_setting_origins, with_origins
-    from ddpcli.launcher.resolve import checked_train_config
+def launched(plan: RunPlan) -> RunSummary:
+    """Rank 0's summary of the run PLAN describes."""
+    from ddpcli.launcher.train_launch import launch_train
 
     try:
-        return checked_train_config(cfg, launcher)
-    except DdpcliError as error:
-        raise with_origins(error, train_setting_origins(flags, recipe)) from None
-
-
-def resolve_and_launch(
-    cfg: TrainConfig, launcher: LauncherEnv | None, *, dry_run: bool, json_output: bool
-) -> tuple[TrainConfig, dict[str, Any]] | None:
-    """Resolve what needs torch, check the rest, then launch: the run's config and rank
-    0's summary (None for a dry run, shown)."""
-    from ddpcli.launcher.resolve import with_cpu_precision, with_usable_gpus
-    from ddpcli.training.preflight import preflight
-
-    cfg = with_cpu_precision(with_usable_gpus(cfg))
-
-    built = preflight(cfg)  # the user's own code runs here first: exit 2 before workers
-    from ddpcli.checkpoint.schema import check_resume_source, with_checked_resume
-
-    if dry_run:
-        check_resume_source(cfg)  # a bad --resume file: exit 2, as the run would say it
-        show_config(cfg, json_output, built)
-        return None
-    from ddpcli.launcher.launch import launch_train
-    from ddpcli.outputs.runfolder import continue_after_requeue
-
-    cfg = continue_after_requeue(cfg, launcher)
-    cfg = with_checked_resume(cfg)  # a bad --resume file: exit 2 now, before any worker starts
-    try:
-        return cfg, launch_train(cfg, debug=_state["debug"])
+        return launch_train(plan, debug=_state["debug"])
     except KeyboardInterrupt as stop:  # under torchrun this process was the rank itself
         record = getattr(stop, "record", None)  # ddpcli.training.stopping.Interrupted's
         if record is None:
             raise
-        return cfg, record
+        return RunSummary(stop=record)
 
 
 def resume_command(out: str, argv: list[str] | None = None) -> str:
@@ -233,19 +217,21 @@ def resume_command(out: str, argv: list[str] | None = None) -> str:
     return "ddpcli " + shlex.join([*kept, "--out", out, "--resume", "auto"])
 
 
-def stopped_early(summary: dict) -> DdpcliError:
+def stopped_early(summary: RunSummary) -> DdpcliError:
     """Ctrl-C: exit 130; a preemption or a termination: exit 1. One line: where, what was
     saved, what next."""
-    where = f"epoch {summary['stopped_epoch']} step {summary['stopped_step']}"
-    resume = resume_command(summary["out"])
-    saved = summary.get("last_checkpoint")
-    if saved and summary.get("checkpoint_at"):
-        saved = f"{saved} ({summary['checkpoint_at']})"
+    stop = summary.stop
+    assert stop is not None  # the run stopped early
+    where = f"epoch {stop.stopped_epoch} step {stop.stopped_step}"
+    resume = resume_command(stop.out)
+    saved = summary.last_checkpoint
+    if saved and stop.checkpoint_at:
+        saved = f"{saved} ({stop.checkpoint_at})"
     checkpoint = f"last checkpoint: {saved}" if saved else "no checkpoint saved yet"
-    if summary["stopped"] == "interrupted":
+    if stop.stopped == "interrupted":
         return DdpcliError(f"interrupted at {where}; {checkpoint}; resume: {resume}", INTERRUPTED)
-    if summary["stopped"] == "terminated":  # SIGTERM, with --preempt-signal USR1
-        preempt = summary["preempt_signal"].removeprefix("SIG")
+    if stop.stopped == "terminated":  # SIGTERM, with --preempt-signal USR1
+        preempt = (stop.preempt_signal or "").removeprefix("SIG")
         return DdpcliError(
             f"terminated at {where} by SIGTERM, not the preemption signal (--preempt-signal "
             f"{preempt}); {checkpoint}; resume: {resume}",
@@ -268,69 +254,71 @@ def show_config(cfg, json_output: bool, built: dict | None = None) -> None:
         typer.echo(f"{key} = {value}")
 
 
-def resource_line(cfg, summary: dict) -> str:
-    """What the run cost: images/s for the strategy that ran, and peak memory per device."""
-    line = f"strategy {cfg.strategy}: {ui.rate_of(summary)}"
-    if summary.get("peak_memory_mb"):
+def resource_line(cfg, epoch: dict[str, Any]) -> str:
+    """What the run cost: images/s for the strategy that ran, and peak memory per device.
+    EPOCH: the last epoch's row of metrics.jsonl."""
+    line = f"strategy {cfg.strategy}: {ui.rate_of(epoch)}"
+    if epoch.get("peak_memory_mb"):
         label = "per GPU" if cfg.strategy != "ddp" else "per GPU (by rank)"
-        peaks = ", ".join(f"{i}: {mb:.0f}" for i, mb in enumerate(summary["peak_memory_mb"]))
+        peaks = ", ".join(f"{i}: {mb:.0f}" for i, mb in enumerate(epoch["peak_memory_mb"]))
         return f"{line} · peak GPU memory allocated {label}, MB: {peaks}"
-    if summary.get("peak_rss_mb"):
-        peaks = ", ".join(f"{i}: {mb:.0f}" for i, mb in enumerate(summary["peak_rss_mb"]))
+    if epoch.get("peak_rss_mb"):
+        peaks = ", ".join(f"{i}: {mb:.0f}" for i, mb in enumerate(epoch["peak_rss_mb"]))
         return f"{line} · no GPU; peak host memory (RSS) per rank, MB: {peaks}"
     return line
 
 
-def report_rank_load(cfg, summary: dict) -> None:
+def report_rank_load(cfg, summary: RunSummary) -> None:
     """The last epoch's data wait and compute per rank; the straggler named, with a hint;
     each rank's step split into data wait, compute, exposed communication and optimizer."""
     from ddpcli.outputs.rankload import breakdown_lines, straggler_note
 
-    if summary.get("step_breakdown"):
+    if summary.step_breakdown:
         ui.info("where the step time went, last epoch (host clocks):")
-        for line in breakdown_lines(summary["step_breakdown"]):
+        for line in breakdown_lines(summary.step_breakdown):
             ui.info(f"  {line}")
-    if "data_wait_frac_per_rank" not in summary:
+    epoch = summary.last_epoch
+    if "data_wait_frac_per_rank" not in epoch:
         return
     waits = ", ".join(
-        f"{i}: {100 * f:.0f}%" for i, f in enumerate(summary["data_wait_frac_per_rank"])
+        f"{i}: {100 * f:.0f}%" for i, f in enumerate(epoch["data_wait_frac_per_rank"])
     )
-    computes = ", ".join(f"{i}: {ms:.1f}" for i, ms in enumerate(summary["compute_ms_per_rank"]))
+    computes = ", ".join(f"{i}: {ms:.1f}" for i, ms in enumerate(epoch["compute_ms_per_rank"]))
     ui.info(
-        f"data wait {100 * summary['data_wait_frac']:.0f}% of the step (per rank: {waits}) · "
+        f"data wait {100 * epoch['data_wait_frac']:.0f}% of the step (per rank: {waits}) · "
         f"compute per step, ms: {computes}"
     )
-    if note := straggler_note(summary):
+    if note := straggler_note(epoch):
         ui.warn(note)
 
 
-def report_training(cfg, summary: dict, json_output: bool) -> None:
+def report_training(cfg, summary: RunSummary, json_output: bool) -> None:
     from ddpcli.environments import read_launcher_env
 
     launcher = read_launcher_env()
     if launcher is not None and launcher.rank != 0:
         return
     if json_output:
-        ui.print_json(summary)
+        ui.print_json(summary.to_dict())
         return
-    if summary.get("node_rank", 0) != 0:
-        ui.info(f"node {summary['node_rank']} finished; node 0 (rank 0) writes the outputs")
+    if summary.node_rank != 0:
+        ui.info(f"node {summary.node_rank} finished; node 0 (rank 0) writes the outputs")
         return
-    if "val_acc" in summary:
-        ui.info(f"done: {ui.format_metrics(summary)}")
-        ui.info(resource_line(cfg, summary))
+    if "val_acc" in summary.last_epoch:
+        ui.info(f"done: {ui.format_metrics(summary.last_epoch)}")
+        ui.info(resource_line(cfg, summary.last_epoch))
         report_rank_load(cfg, summary)
-    if summary.get("skipped_images"):
+    if summary.skipped is not None and summary.skipped.count:
         ui.warn(
-            f"--skip-bad-images left out {summary['skipped_images']} image(s) that cannot be "
-            f"decoded: listed in {summary['skipped_images_file']}"
+            f"--skip-bad-images left out {summary.skipped.count} image(s) that cannot be "
+            f"decoded: listed in {summary.skipped.listed_in}"
         )
     ui.info(
-        f"outputs in {summary.get('out')}: metrics.jsonl, steps.jsonl, config.json, "
+        f"outputs in {summary.out}: metrics.jsonl, steps.jsonl, config.json, "
         "checkpoints/last.pt, best.pt"
     )
-    if summary.get("curves"):
-        ui.info(f"curves: {summary['curves']} (compare runs: ddpcli plot RUN_DIR RUN_DIR ...)")
+    if summary.curves:
+        ui.info(f"curves: {summary.curves} (compare runs: ddpcli plot RUN_DIR RUN_DIR ...)")
     if cfg.cpu:
         ui.info(
             "to scale up: `ddpcli train --gpus 0,1 --recipe recipes/stl10-resnet18.toml` on a GPU "

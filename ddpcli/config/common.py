@@ -1,5 +1,6 @@
 """What every command's configuration shares: the base of every config (no unknown setting,
-no inf or nan), value types, list parsing, the GPU-list and node-rank rules, a recipe's
+no inf or nan), the kinds a setting may be (marked on its field, the lists read from the
+marks), value types, list parsing, the GPU-list and node-rank rules, a recipe's
 strict types, and pydantic errors rewritten as `invalid --flag: ... (got X)`."""
 
 from __future__ import annotations
@@ -7,6 +8,8 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from enum import Enum
 from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar
 
 from pydantic import (
@@ -29,6 +32,103 @@ class CommandConfig(BaseModel):
     means nothing."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+# --- Kinds of setting: marked on the field, every list of them derived -----------------------
+
+
+class Kind(Enum):
+    """What a setting is, besides its type: a field is marked with its kinds in its
+    annotation (`node_rank: Annotated[int, PER_NODE] = 0`), and the lists that other parts
+    keep (what each node may give its own way, what a resume compares) are read from the
+    marks by `settings_of_kind`, never written out by hand."""
+
+    # Each node of a job may give its own (its paths, devices, network); the rest must agree.
+    PER_NODE = "per node"
+    # The run's arithmetic: a resume with another value cannot reproduce the run.
+    CHANGES_RESULT = "changes the result"
+    # No flag: a debugging hook or a fact that ddpcli's environment variables give.
+    FROM_ENVIRONMENT = "from the environment"
+    # No flag of its own: it is part of another flag's value (--nnodes MIN:MAX's MIN).
+    PART_OF_ANOTHER_FLAG = "part of another flag"
+    # Worked out by the run and recorded in config.json; given, it is refused (`Resolved`).
+    RESOLVED = "resolved, never given"
+
+
+PER_NODE = Kind.PER_NODE
+CHANGES_RESULT = Kind.CHANGES_RESULT
+FROM_ENVIRONMENT = Kind.FROM_ENVIRONMENT
+PART_OF_ANOTHER_FLAG = Kind.PART_OF_ANOTHER_FLAG
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """The mark of a Kind.RESOLVED field, with the refusal's reason: given, the setting is
+    refused with `NAME is not a setting; WHY`, prefixed with where it was given when
+    SAYS_WHERE (a config.json passed as a recipe holds it)."""
+
+    why: str
+    says_where: bool = False
+    kind = Kind.RESOLVED
+
+
+def marks_of(model: type[BaseModel], name: str) -> list[Any]:
+    """The marks on MODEL's field NAME, wherever in MODEL's bases it is declared: a subclass
+    that narrows a field's type (the run's plan: what was None, settled) keeps its kinds."""
+    return [
+        mark
+        for base in model.__mro__
+        if issubclass(base, BaseModel) and name in base.model_fields
+        for mark in base.model_fields[name].metadata
+        if isinstance(mark, (Kind, Resolved))
+    ]
+
+
+def kinds_of(model: type[BaseModel], name: str) -> set[Kind]:
+    """The kinds MODEL's field NAME is marked with."""
+    return {mark if isinstance(mark, Kind) else mark.kind for mark in marks_of(model, name)}
+
+
+def settings_of_kind(model: type[BaseModel], kind: Kind) -> tuple[str, ...]:
+    """MODEL's fields of KIND, its inherited ones too, in the model's order."""
+    return tuple(name for name in model.model_fields if kind in kinds_of(model, name))
+
+
+def resolved_settings(model: type[BaseModel]) -> dict[str, Resolved]:
+    """MODEL's fields that the run resolves and no one may give, with why (the nearest
+    class's words, where a subclass marks the field again)."""
+    found: dict[str, Resolved] = {}
+    for name in model.model_fields:
+        marks = [mark for mark in marks_of(model, name) if isinstance(mark, Resolved)]
+        if marks:
+            found[name] = marks[0]
+    return found
+
+
+def refuse_resolved(
+    model: type[BaseModel],
+    values: Mapping[str, Any],
+    from_recipe: Mapping[str, Any],
+    recipe: object | None,
+) -> None:
+    """Exit 2 when VALUES (flags and RECIPE's FROM_RECIPE) give a setting MODEL resolves.
+    The refusals that say where come last: a config.json turned recipe holds several, and
+    the bare ones have always been named first."""
+    resolved = resolved_settings(model)
+    for name in sorted(resolved, key=lambda name: resolved[name].says_where):
+        if name not in values:
+            continue
+        message = f"{name} is not a setting; {resolved[name].why}"
+        if resolved[name].says_where:
+            where = f"recipe {recipe}" if recipe and name in from_recipe else "the flags"
+            message = f"{where}: {message}"
+        raise usage_error(message)
+
+
+def flag_settings(model: type[BaseModel]) -> tuple[str, ...]:
+    """MODEL's fields that a flag (or a recipe's line) of their own sets."""
+    no_flag = {FROM_ENVIRONMENT, PART_OF_ANOTHER_FLAG, Kind.RESOLVED}
+    return tuple(name for name in model.model_fields if not kinds_of(model, name) & no_flag)
 
 
 Backend = Literal["auto", "nccl", "gloo"]
@@ -105,7 +205,7 @@ def describe_validation_error(error: ValidationError, setting: str = "") -> str:
     return "\n".join(lines[:2])
 
 
-def with_origins(error: DdpcliError, origins: dict[str, str]) -> DdpcliError:
+def with_origins(error: DdpcliError, origins: Mapping[str, str]) -> DdpcliError:
     """ERROR with, on each line, where every setting it names came from (`invalid --cpu:
     ... (--cpu from recipe r.toml; --gpus from the command line)`)."""
     lines = []

@@ -25,6 +25,11 @@ MAX_DEFAULT_WORKERS = 8
 # DDPCLI_SLOW_PACK=SECONDS: each sample, once written into its shard's temporary file, waits
 # SECONDS. A pack slow on purpose, that a test can interrupt mid-shard on a busy machine.
 SLOW_PACK_VARIABLE = "DDPCLI_SLOW_PACK"
+# `train --dataset shards`' default shuffle buffer: this fraction of the node's available
+# memory, shared by its streams (ranks x workers), in samples of the index's mean size,
+# within these bounds (ddpcli.data.shards.feed sizes it; --help states it).
+BUFFER_MEMORY_FRACTION = 1 / 8
+BUFFER_BOUNDS = (64, 10_000)
 
 
 def parse_size(text: str) -> int:

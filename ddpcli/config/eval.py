@@ -8,11 +8,12 @@ precision, batch): `ddpcli.evaluation.plan` fills it in from the file.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import Field, field_validator, model_validator
 
 from ddpcli.config.common import (
+    PER_NODE,
     Backend,
     CommandConfig,
     DatasetName,
@@ -37,9 +38,9 @@ EVAL_DATASETS = (*get_args(DatasetName), "shards")
 class EvalConfig(Membership, CommandConfig):
     """Everything `ddpcli eval` needs. Field names are the flags with `_` for `-`."""
 
-    checkpoint: Path
+    checkpoint: Annotated[Path, PER_NODE]
     # data: the checkpoint's data set unless named; DIR/SPLIT (or DIR itself) for folders
-    data_dir: DataLocation | None = None
+    data_dir: Annotated[DataLocation | None, PER_NODE] = None
     dataset: str | None = None
     split: Split = "val"
     # the model and its view: the checkpoint's unless given
@@ -51,28 +52,32 @@ class EvalConfig(Membership, CommandConfig):
     val_crop_size: int | None = Field(None, ge=8, le=1024)
     precision: Precision | None = None
     per_gpu_batch: int | None = Field(None, ge=1)
-    workers: int | None = Field(None, ge=0, description="DataLoader workers per rank")
+    workers: Annotated[int | None, PER_NODE] = Field(
+        None, ge=0, description="DataLoader workers per rank"
+    )
     # outputs
-    out: Path | None = None
+    out: Annotated[Path | None, PER_NODE] = None
     predictions: bool = Field(
         False, description="also write predictions.csv: each image's label and top-5 classes"
     )
     # processes, devices and nodes, as `ddpcli train` takes them
-    gpus: GpuList = None
+    gpus: Annotated[GpuList, PER_NODE] = None
     cpu: bool = False
     nproc: int | None = Field(None, ge=1, le=1024)
     backend: Backend = "auto"
     nnodes: int = Field(1, ge=1)
     min_nnodes: int | None = Field(None, ge=1)
-    node_rank: int = Field(0, ge=0)
-    master_addr: str = "127.0.0.1"
-    master_port: int | None = Field(None, ge=1, le=65535)
+    node_rank: Annotated[int, PER_NODE] = Field(0, ge=0)
+    master_addr: Annotated[str, PER_NODE] = "127.0.0.1"
+    master_port: Annotated[int | None, PER_NODE] = Field(None, ge=1, le=65535)
     rdzv_backend: RdzvBackend | None = None
     rdzv_endpoint: str | None = None
     rdzv_id: str | None = None
-    init_method: str | None = None
-    ifname: str | None = None
-    timeout: float = Field(300.0, ge=1, description="seconds for init and every collective")
+    init_method: Annotated[str | None, PER_NODE] = None
+    ifname: Annotated[str | None, PER_NODE] = None
+    timeout: Annotated[float, PER_NODE] = Field(
+        300.0, ge=1, description="seconds for init and every collective"
+    )
     max_restarts: int = Field(0, ge=0)
 
     @field_validator("dataset")

@@ -100,7 +100,7 @@ class ScriptLaunchConfig(Membership, CommandConfig):
 
     @property
     def nproc_per_node(self) -> int:
-        """Set by `ddpcli.launcher.launch.resolve_script_launch` when neither flag is given."""
+        """Set by `ddpcli.launcher.script_launch.resolve_script_launch` without either flag."""
         if self.gpus:
             return len(self.gpus)
         if self.nproc is None:

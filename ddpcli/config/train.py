@@ -13,7 +13,7 @@ import re
 import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal, TypeVar, get_args
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import (
     AfterValidator,
@@ -25,6 +25,10 @@ from pydantic import (
 )
 
 from ddpcli.config.common import (
+    CHANGES_RESULT,
+    FROM_ENVIRONMENT,
+    PART_OF_ANOTHER_FLAG,
+    PER_NODE,
     Backend,
     CommandConfig,
     DatasetName,
@@ -40,11 +44,13 @@ from ddpcli.config.common import (
     nproc_spec,
     parse_float_list,
     pod_defaults,
+    refuse_resolved,
     split_nnodes,
     validated,
     with_origins,
 )
 from ddpcli.config.data import DataLocation, is_url
+from ddpcli.config.facts import RunFacts
 from ddpcli.environments.pods import describe as describe_pod
 from ddpcli.environments.pods import pet_variables
 from ddpcli.errors import DdpcliError, usage_error
@@ -123,6 +129,14 @@ def accumulate_keeping(global_batch: int, per_gpu_batch: int, world_size: int) -
     if global_batch % per_micro_step:
         return None
     return global_batch // per_micro_step
+
+
+def global_batch_of(
+    per_gpu_batch: int, world_size: int, accumulate: int, micro_batches_per_epoch: int | None = None
+) -> int:
+    """The images one optimizer step takes: an epoch of fewer micro-batches than ACCUMULATE
+    caps what a step holds."""
+    return per_gpu_batch * world_size * min(accumulate, micro_batches_per_epoch or accumulate)
 
 
 def toml_value(text: str) -> Any:
@@ -227,21 +241,28 @@ ProfileSteps = Annotated[str, AfterValidator(parse_profile_steps)]
 
 
 class TrainConfig(Membership, CommandConfig):
-    """Everything `ddpcli train` needs. Field names are the flags with `_` for `-`."""
+    """Everything `ddpcli train` needs. Field names are the flags with `_` for `-`; a
+    field's kinds (per node, changes the result, ...: ddpcli.config.common.Kind) are marked
+    in its annotation, and the lists of them are read from there."""
 
-    model_config = ConfigDict(validate_assignment=True)
+    # The request: validated once, never rewritten (what the run resolves is its RunPlan).
+    model_config = ConfigDict(frozen=True)
 
     # data
     # A built-in set's name, or the user's own factory (`pkg.module:factory`).
-    dataset: str = "synthetic"
+    dataset: Annotated[str, CHANGES_RESULT] = "synthetic"
     # A folder, or for --dataset shards a URL (s3://, gs://, http(s)://): saved without the
     # URL's user:password@ (config.data.DataLocation).
-    data_dir: DataLocation | None = None
-    download: bool = False
-    image_size: int | None = Field(None, ge=8, le=1024)
-    synthetic_size: int = Field(4096, ge=16, description="training images of the synthetic set")
-    data_path: Literal["auto", "device", "loader"] = "auto"
-    workers: int | None = Field(None, ge=0, description="DataLoader workers per rank")
+    data_dir: Annotated[DataLocation | None, PER_NODE] = None
+    download: Annotated[bool, PER_NODE] = False
+    image_size: Annotated[int | None, CHANGES_RESULT] = Field(None, ge=8, le=1024)
+    synthetic_size: Annotated[int, CHANGES_RESULT] = Field(
+        4096, ge=16, description="training images of the synthetic set"
+    )
+    data_path: Annotated[Literal["auto", "device", "loader"], PER_NODE] = "auto"
+    workers: Annotated[int | None, PER_NODE] = Field(
+        None, ge=0, description="DataLoader workers per rank"
+    )
     skip_bad_images: bool = Field(
         False,
         description="leave out image files that cannot be decoded (counted, listed in "
@@ -254,30 +275,36 @@ class TrainConfig(Membership, CommandConfig):
         description="--dataset shards: samples each stream holds to shuffle (1: none); by "
         "default sized from the node's available memory, stated before the first step",
     )
-    augment: Literal["auto", "rrc", "crop-flip", "none"] = "auto"
+    augment: Annotated[Literal["auto", "rrc", "crop-flip", "none"], CHANGES_RESULT] = "auto"
     # the modern recipe's input side (docs/train.md, "The modern recipe")
-    auto_augment: Literal["ta_wide", "randaugment", "autoaugment", "none"] = Field(
+    auto_augment: Annotated[
+        Literal["ta_wide", "randaugment", "autoaugment", "none"], CHANGES_RESULT
+    ] = Field(
         "none",
         description="a torchvision policy on each training image after its crop: "
         "TrivialAugmentWide, RandAugment or AutoAugment (ImageNet)",
     )
-    random_erase: float = Field(
+    random_erase: Annotated[float, CHANGES_RESULT] = Field(
         0.0, ge=0, le=1, description="probability of erasing a random box of each training image"
     )
-    mixup_alpha: float = Field(0.0, ge=0, description="Mixup's Beta(alpha, alpha); 0: off")
-    cutmix_alpha: float = Field(0.0, ge=0, description="CutMix's Beta(alpha, alpha); 0: off")
-    ra_reps: int = Field(
+    mixup_alpha: Annotated[float, CHANGES_RESULT] = Field(
+        0.0, ge=0, description="Mixup's Beta(alpha, alpha); 0: off"
+    )
+    cutmix_alpha: Annotated[float, CHANGES_RESULT] = Field(
+        0.0, ge=0, description="CutMix's Beta(alpha, alpha); 0: off"
+    )
+    ra_reps: Annotated[int, CHANGES_RESULT] = Field(
         1,
         ge=1,
         description="repeated augmentation: each image on this many ranks per epoch, each "
         "with its own augmentation; 1: off",
     )
-    train_crop_size: int | None = Field(None, ge=8, le=1024)
-    val_resize_size: int | None = Field(None, ge=8, le=2048)
-    val_crop_size: int | None = Field(None, ge=8, le=1024)
+    train_crop_size: Annotated[int | None, CHANGES_RESULT] = Field(None, ge=8, le=1024)
+    val_resize_size: Annotated[int | None, CHANGES_RESULT] = Field(None, ge=8, le=2048)
+    val_crop_size: Annotated[int | None, CHANGES_RESULT] = Field(None, ge=8, le=1024)
     # model and optimisation
-    arch: str | None = None
-    model_args: ModelArgs = Field(default_factory=dict)
+    arch: Annotated[str | None, CHANGES_RESULT] = None
+    model_args: Annotated[ModelArgs, CHANGES_RESULT] = Field(default_factory=dict)
     init_from: Path | None = Field(
         None,
         description="start from these weights (a ddpcli checkpoint, a `checkpoint convert` "
@@ -289,42 +316,48 @@ class TrainConfig(Membership, CommandConfig):
         description="with --init-from: leave the final classifier as built, for another "
         "number of classes (fine-tuning)",
     )
-    epochs: int = Field(5, ge=1)
-    per_gpu_batch: int = Field(64, ge=1)
-    accumulate: int = Field(1, ge=1)
-    lr: float | None = Field(None, gt=0)  # None: default_lr(arch), set once the arch is known
-    lr_base_batch: int = Field(256, ge=1)
+    epochs: Annotated[int, CHANGES_RESULT] = Field(5, ge=1)
+    per_gpu_batch: Annotated[int, CHANGES_RESULT] = Field(64, ge=1)
+    accumulate: Annotated[int, CHANGES_RESULT] = Field(1, ge=1)
+    lr: Annotated[float | None, CHANGES_RESULT] = Field(
+        None, gt=0
+    )  # None: default_lr(arch), set once the arch is known
+    lr_base_batch: Annotated[int, CHANGES_RESULT] = Field(256, ge=1)
     # None below: the optimiser's default (OPTIMIZER_DEFAULTS), filled in with it.
-    lr_scaling: LrScaling | None = None
-    optimizer: Optimizer = "sgd"
-    momentum: float | None = Field(None, ge=0, lt=1)  # SGD's; None with AdamW
-    betas: Betas | None = None
-    weight_decay: float | None = Field(None, ge=0)
-    warmup_epochs: float = Field(1.0, ge=0)
-    label_smoothing: float = Field(0.0, ge=0, lt=1)
-    norm_weight_decay: float = Field(
+    lr_scaling: Annotated[LrScaling | None, CHANGES_RESULT] = None
+    optimizer: Annotated[Optimizer, CHANGES_RESULT] = "sgd"
+    momentum: Annotated[float | None, CHANGES_RESULT] = Field(
+        None, ge=0, lt=1
+    )  # SGD's; None with AdamW
+    betas: Annotated[Betas | None, CHANGES_RESULT] = None
+    weight_decay: Annotated[float | None, CHANGES_RESULT] = Field(None, ge=0)
+    warmup_epochs: Annotated[float, CHANGES_RESULT] = Field(1.0, ge=0)
+    label_smoothing: Annotated[float, CHANGES_RESULT] = Field(0.0, ge=0, lt=1)
+    norm_weight_decay: Annotated[float, CHANGES_RESULT] = Field(
         0.0, ge=0, description="weight decay of normalisation layers' weights and biases"
     )
-    sync_bn: bool = Field(
+    sync_bn: Annotated[bool, CHANGES_RESULT] = Field(
         False, description="BatchNorm statistics over the global batch (all ranks)"
     )
-    ema: bool = Field(
+    ema: Annotated[bool, CHANGES_RESULT] = Field(
         False,
         description="keep an exponential moving average of the weights, validated beside them",
     )
-    ema_decay: float = Field(
+    ema_decay: Annotated[float, CHANGES_RESULT] = Field(
         0.99998,
         gt=0,
         lt=1,
         description="EMA decay per update at global batch x --ema-steps / --epochs = 1",
     )
-    ema_steps: int = Field(32, ge=1, description="optimizer steps between EMA updates")
-    seed: int = Field(0, ge=0)
-    precision: Precision = "auto"
+    ema_steps: Annotated[int, CHANGES_RESULT] = Field(
+        32, ge=1, description="optimizer steps between EMA updates"
+    )
+    seed: Annotated[int, CHANGES_RESULT] = Field(0, ge=0)
+    precision: Annotated[Precision, CHANGES_RESULT] = "auto"
     compile: bool = False
     max_steps: int | None = Field(None, ge=1)
     # processes and devices
-    gpus: GpuList = None
+    gpus: Annotated[GpuList, PER_NODE] = None
     cpu: bool = False
     nproc: int | None = Field(None, ge=1, le=1024)
     backend: Backend = "auto"
@@ -350,36 +383,40 @@ class TrainConfig(Membership, CommandConfig):
         description="DDP: gradients live inside the all-reduce buckets (no copy into and out "
         "of them, less memory)",
     )
-    grad_compression: GradCompression = Field(
+    grad_compression: Annotated[GradCompression, CHANGES_RESULT] = Field(
         "none",
         description="what DDP all-reduces: fp32 gradients (none), fp16 or bf16 casts (half "
         "the bytes), or PowerSGD's rank-RANK factors with error feedback (docs/performance.md)",
     )
-    powersgd_start_step: int = Field(
+    powersgd_start_step: Annotated[int, CHANGES_RESULT] = Field(
         1000,
         ge=0,
         description="optimizer steps all-reduced uncompressed before PowerSGD starts",
     )
     # multi-node
     nnodes: int = Field(1, ge=1)  # the most nodes; `--nnodes MIN:MAX` sets both
-    min_nnodes: int | None = Field(None, ge=1)  # None: exactly --nnodes
-    node_rank: int = Field(0, ge=0)
-    master_addr: str = "127.0.0.1"
-    master_port: int | None = Field(None, ge=1, le=65535)
+    min_nnodes: Annotated[int | None, PART_OF_ANOTHER_FLAG] = Field(
+        None, ge=1
+    )  # None: exactly --nnodes
+    node_rank: Annotated[int, PER_NODE] = Field(0, ge=0)
+    master_addr: Annotated[str, PER_NODE] = "127.0.0.1"
+    master_port: Annotated[int | None, PER_NODE] = Field(None, ge=1, le=65535)
     rdzv_backend: RdzvBackend | None = None  # None: c10d for MIN:MAX, else static
     rdzv_endpoint: str | None = None  # None: --master-addr:--master-port
     rdzv_id: str | None = None
-    init_method: str | None = None
-    ifname: str | None = None
-    timeout: float = Field(300.0, description="seconds for init and every collective")
+    init_method: Annotated[str | None, PER_NODE] = None
+    ifname: Annotated[str | None, PER_NODE] = None
+    timeout: Annotated[float, PER_NODE] = Field(
+        300.0, description="seconds for init and every collective"
+    )
     max_restarts: int = Field(0, ge=0)
     # outputs
-    out: Path | None = None
-    resume: str | None = None
+    out: Annotated[Path | None, PER_NODE] = None
+    resume: Annotated[str | None, PER_NODE] = None
     overwrite: bool = False
     save_every_steps: int | None = Field(None, ge=1)
     keep_last: int = Field(3, ge=0)
-    log_dir: Path | None = None
+    log_dir: Annotated[Path | None, PER_NODE] = None
     log_every: int = Field(
         10, ge=1, description="optimizer steps between progress lines and steps.jsonl rows"
     )
@@ -406,31 +443,17 @@ class TrainConfig(Membership, CommandConfig):
     tracker_checkpoints: bool = Field(
         False, description="also send checkpoints/best.pt to the trackers at the end"
     )
-    # Resolved, never given: --tracker wandb without W&B credentials runs offline.
-    wandb_offline: bool = False
+    # From the environment: --tracker wandb without W&B credentials runs offline.
+    wandb_offline: Annotated[bool, FROM_ENVIRONMENT] = False
     # The signal that saves a checkpoint at the next check (every --log-every steps) and stops
     preempt_signal: Literal["TERM", "USR1"] = "TERM"
     # debugging: each rank appends the sample indices of every training batch to PATH.rankN
-    trace_samples: Path | None = None
+    trace_samples: Annotated[Path | None, PER_NODE, FROM_ENVIRONMENT] = None
     # debugging: (rank, seconds) from DDPCLI_SLOW_DATA, a rank slowed on purpose
-    slow_data: tuple[int, float] | None = None
-    # Resolved, never given: --lr scaled to the global batch of the world that really runs
-    # (`ddpcli.launcher.resolve` for --dry-run, each worker from its process group), so that
-    # config.json holds the rate the optimizer used.
-    peak_lr: float | None = None
-    # Resolved, never given: where the world came from, in words, for the run's header.
-    world_from: str | None = None
-    # Resolved, never given: why `--precision auto` became what `precision` holds (the header
-    # says it; ddpcli.training.precision decides it).
-    precision_reason: str | None = None
-    # Resolved, never given: the command's --accumulate when a resume's batch policy set
-    # another to keep the global batch (TrainConfig.for_world_change); the checkpoint keeps
-    # it, so that the next restart at the same world keeps the policy's value.
-    requested_accumulate: int | None = None
-    # Resolved, never given: the --resume file as the launcher found it when it checked its
-    # SHA-256 (ddpcli.checkpoint.loading.file_stamp); a worker that finds that same file does
-    # not read it all again to hash it.
-    resume_checked: str | None = None
+    slow_data: Annotated[tuple[int, float] | None, PER_NODE, FROM_ENVIRONMENT] = None
+    # Where the world came from, in words, for the run's header: a pod's variables say it
+    # (build_train_config), the plan completes it (ddpcli.launcher.plan).
+    world_from: Annotated[str | None, PER_NODE, FROM_ENVIRONMENT] = None
 
     @field_validator("init_method")
     @classmethod
@@ -589,41 +612,8 @@ class TrainConfig(Membership, CommandConfig):
     def global_batch_at(self, world_size: int, micro_batches_per_epoch: int | None = None) -> int:
         """Under torchrun the world comes from the launcher, not from --nproc/--gpus; an
         epoch of fewer micro-batches than --accumulate caps what one step holds."""
-        accumulate = min(self.accumulate, micro_batches_per_epoch or self.accumulate)
-        return self.per_gpu_batch * world_size * accumulate
-
-    def for_world_change(
-        self, saved: dict[str, Any], saved_world: int, world_size: int
-    ) -> TrainConfig:
-        """The batch policy of a resume at another world: with the per-process batch and the
-        command's --accumulate as they were, --accumulate is set so that the checkpoint's
-        global batch is kept when the new world divides it; otherwise this config's
-        accumulation stays, and the peak rate follows the new global batch by the
-        lr-scaling rule. A new --per-gpu-batch or --accumulate is taken as given. The
-        checkpoint's world may be this one: a restart after the policy raised --accumulate
-        keeps it."""
-        requested = int(saved.get("requested_accumulate") or saved.get("accumulate", 1))
-        if saved.get("per_gpu_batch") != self.per_gpu_batch or self.accumulate != requested:
-            return self
-        saved_global = self.per_gpu_batch * saved_world * int(saved.get("accumulate", 1))
-        if saved_global == self.per_gpu_batch * world_size * self.accumulate:
-            return self
-        accumulate = accumulate_keeping(saved_global, self.per_gpu_batch, world_size)
-        if accumulate is None:
-            return self
-        return self.model_copy(update={"accumulate": accumulate, "requested_accumulate": requested})
-
-    def peak_lr_at(self, world_size: int, micro_batches_per_epoch: int | None = None) -> float:
-        """--lr scaled by --lr-scaling to this run's global batch (see `scaled_lr`)."""
-        global_batch = self.global_batch_at(world_size, micro_batches_per_epoch)
-        return scaled_lr(
-            self.resolved_lr, global_batch, self.lr_base_batch, self.resolved_lr_scaling
-        )
-
-    def describe_lr_at(self, world_size: int, micro_batches_per_epoch: int | None = None) -> str:
-        global_batch = self.global_batch_at(world_size, micro_batches_per_epoch)
-        return describe_lr(
-            self.resolved_lr, global_batch, self.lr_base_batch, self.resolved_lr_scaling
+        return global_batch_of(
+            self.per_gpu_batch, world_size, self.accumulate, micro_batches_per_epoch
         )
 
     @property
@@ -641,57 +631,13 @@ class TrainConfig(Membership, CommandConfig):
             return [*self.tracker, "tensorboard"]
         return list(self.tracker)
 
-    # Settings `ddpcli.launcher.resolve` fills in before any worker starts: None only until then.
     @property
-    def resolved_out(self) -> Path:
-        return _resolved(self.out, "out")
-
-    @property
-    def resolved_arch(self) -> str:
-        return _resolved(self.arch, "arch")
-
-    @property
-    def resolved_image_size(self) -> int:
-        return _resolved(self.image_size, "image_size")
-
-    @property
-    def resolved_data_dir(self) -> Path:
-        """--data-dir, which every data set but the synthetic one requires (`_consistent`)."""
+    def data_folder(self) -> Path:
+        """--data-dir as a folder, which every data set but the synthetic one and shards from
+        a URL requires (`_consistent`)."""
         if not isinstance(self.data_dir, Path):
             raise RuntimeError(f"TrainConfig.data_dir read, but --dataset {self.dataset} has none")
         return self.data_dir
-
-    @property
-    def resolved_train_crop_size(self) -> int:
-        """The side training batches have: --train-crop-size, else --image-size."""
-        return self.train_crop_size or self.resolved_image_size
-
-    @property
-    def resolved_val_crop_size(self) -> int:
-        return self.val_crop_size or self.resolved_image_size
-
-    @property
-    def resolved_lr_scaling(self) -> LrScaling:
-        return _resolved(self.lr_scaling, "lr_scaling")
-
-    @property
-    def resolved_momentum(self) -> float:
-        return _resolved(self.momentum, "momentum")
-
-    @property
-    def resolved_weight_decay(self) -> float:
-        return _resolved(self.weight_decay, "weight_decay")
-
-    @property
-    def resolved_lr(self) -> float:
-        return _resolved(self.lr, "lr")
-
-    @property
-    def resolved_peak_lr(self) -> float:
-        return _resolved(self.peak_lr, "peak_lr")
-
-
-Value = TypeVar("Value")
 
 
 def check_grad_compression(grad_compression: str, strategy: str, precision: str) -> None:
@@ -761,12 +707,6 @@ def check_powersgd_start_step(cfg: TrainConfig, given: dict[str, Any]) -> None:
             f"{cfg.grad_compression}; add --grad-compression powersgd (or powersgd:RANK), or "
             "drop --powersgd-start-step"
         )
-
-
-def _resolved(value: Value | None, name: str) -> Value:
-    if value is None:
-        raise RuntimeError(f"TrainConfig.{name} read before ddpcli.launcher.resolve filled it in")
-    return value
 
 
 def load_recipe(path: Path) -> dict[str, Any]:
@@ -904,18 +844,7 @@ def build_train_config(
     from_flags = given(flags)
     kept = without_overridden(from_recipe, from_flags)
     values = {**from_pod, **kept, **from_flags}
-    if "precision_reason" in values:
-        raise usage_error("precision_reason is not a setting; the run states why it chose one")
-    if "requested_accumulate" in values:
-        raise usage_error("requested_accumulate is not a setting; set accumulate")
-    if "resume_checked" in values:
-        raise usage_error("resume_checked is not a setting; the launcher records its check")
-    if "peak_lr" in values:
-        where = f"recipe {recipe}" if recipe and "peak_lr" in from_recipe else "the flags"
-        raise usage_error(
-            f"{where}: peak_lr is not a setting; the run computes it from lr, lr_base_batch "
-            'and lr_scaling (set lr_scaling = "none" to use lr as given)'
-        )
+    refuse_resolved(RunFacts, values, from_recipe, recipe)
     if "dataset" not in values and holds_shard_index(values.get("data_dir")):
         values["dataset"] = "shards"
     if env.get(TRACE_SAMPLES_VARIABLE):

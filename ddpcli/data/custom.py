@@ -55,7 +55,7 @@ def custom_splits(cfg: TrainConfig) -> CustomSplits:
     """Call the factory and check what it returned, down to each split's first item."""
     factory = load_factory(cfg.dataset, FLAG)
     returned = call_factory(
-        factory, cfg.dataset, FLAG, data_dir=cfg.data_dir, image_size=cfg.resolved_image_size
+        factory, cfg.dataset, FLAG, data_dir=cfg.data_dir, image_size=cfg.image_size
     )
     if not isinstance(returned, (tuple, list)) or len(returned) != 3:
         raise usage_error(

@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from ddpcli.config import TrainConfig
+from ddpcli.config.plan import RunPlan
 from ddpcli.data.augment import STREAM_MIXING, stream_generators, stream_seeds
 
 
@@ -81,7 +81,7 @@ def cutmix_box(
     return (top, left, bottom, right), kept
 
 
-def build_mixing(cfg: TrainConfig, num_classes: int) -> BatchMixing | None:
+def build_mixing(cfg: RunPlan, num_classes: int) -> BatchMixing | None:
     if cfg.mixup_alpha <= 0 and cfg.cutmix_alpha <= 0:
         return None
     return BatchMixing(cfg.mixup_alpha, cfg.cutmix_alpha, num_classes, cfg.seed)

@@ -6,6 +6,12 @@ order changes every epoch, so no image is always the one left out. The rest of a
 re-dealt at a new world is the exception: its tail is folded into each rank's last batch
 (ddpcli.data.resharding). Validation is strided and unpadded, so every sample is counted
 exactly once.
+
+One interface, `DataPath`, with one implementation per path: `ShardPath` (--dataset shards,
+streamed), `DevicePath` (--data-path device) and `LoaderPath` (a DataLoader); the last two
+share DistributedSampler's arithmetic (`SampledPath`). Each owns its resume state
+(`state_dict` / `load_state_dict`, as Mosaic Streaming's datasets do), so the loop and its
+checkpoints never ask which kind of data they have. `DataPipeline` chooses the path.
 """
 
 from __future__ import annotations
@@ -14,13 +20,14 @@ import dataclasses
 import json
 import math
 import time
+from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any, cast
 
 import torch
 from torch.utils.data import DistributedSampler
 
-from ddpcli.config import TrainConfig
+from ddpcli.config.plan import RunPlan
 from ddpcli.data.autoaugment import policy_transform
 from ddpcli.data.custom import CustomDataset, CustomSplits
 from ddpcli.data.device import DeviceResidentBatches
@@ -134,125 +141,191 @@ def on_device(image_set: ImageSet, device: torch.device) -> ImageSet:
     return dataclasses.replace(image_set, images=images, labels=labels)
 
 
-class DataPipeline:
-    """Train and validation batches for this rank, whichever path they come from."""
+class DataPath(ABC):
+    """What the training loop, its checkpoints and the header see of this rank's data,
+    whichever path it comes from: its sizes, its batches, and its resume state. One subclass
+    per path; `DataPipeline` picks which."""
 
-    def __init__(
-        self,
-        splits: Splits | CustomSplits,
-        cfg: TrainConfig,
-        ctx: DistContext,
-        device_resident: bool,
-    ):
-        self.splits = splits
-        self.cfg = cfg
-        self.ctx = ctx
+    name = ""  # --data-path's word, shown with the loader workers where there are any
+    device_resident = False  # the set lives on the device (--data-path device)
+
+    def __init__(self, splits: Splits | CustomSplits, cfg: RunPlan, ctx: DistContext):
+        self.splits, self.cfg, self.ctx = splits, cfg, ctx
         self.channels_last = ctx.device.type == "cuda"
         self.augment = training_augment(cfg.augment, cfg.dataset)
         self.auto_augment = policy_transform(cfg.auto_augment)
-        self.crop_size = cfg.resolved_train_crop_size
-        if isinstance(splits, MemorySplits) and cfg.dataset != "imagefolder":
-            crop = cfg.resolved_val_crop_size
-            splits.val = view_set(splits.val, cfg.val_resize_size or crop, crop)
-        # Only a set held in memory can be moved onto the device; a streamed folder cannot.
-        self.device_resident = device_resident and isinstance(splits, MemorySplits)
-        if isinstance(splits, MemorySplits) and cfg.dataset != "imagefolder":
-            self.mean, self.std = channel_stats(splits.train.images)
-        else:  # image folders, streamed or decoded once, and the user's own sets
-            self.mean, self.std = IMAGENET_MEAN, IMAGENET_STD
+        self.crop_size = cfg.train_crop_size
+        self.mean, self.std = normalisation(splits, cfg)
         self.workers = (
             cfg.workers if cfg.workers is not None else default_workers(ctx.local_world_size)
         )
         trace = cfg.trace_samples
         self.trace_file = trace.with_name(f"{trace.name}.rank{ctx.rank}") if trace else None
-        self.shards: ShardFeed | None = None
-        self.loaders: list[LoaderBatches] = []  # what close() ends
-        if isinstance(splits, ShardSplits):
-            self._stream_shards(splits)
-        elif isinstance(splits, FolderSplits):
-            self._stream_folders(splits)
-        elif isinstance(splits, CustomSplits):
-            self._stream_custom(splits)
-        elif self.device_resident:
-            self._hold_on_device(splits)
-        else:
-            self._start_loaders(
-                MemoryDataset(splits.train, cfg.seed, self.augment, **self.recipe()),
-                MemoryDataset(splits.val, cfg.seed, "none"),
-            )
-        self._check_one_batch()
-
-    def _hold_on_device(self, splits: MemorySplits) -> None:
-        # The uint8 set lives where it is augmented; batches never cross PCIe. The splits
-        # then hold the device copies only: a host copy kept beside them would hold the
-        # whole set in host memory for nothing, per rank.
-        splits.train = self.train_set = on_device(splits.train, self.ctx.device)
-        splits.val = self.val_set = on_device(splits.val, self.ctx.device)
-        self.train_size, self.val_size = len(splits.train), len(splits.val)
+        self.train_size = self.val_size = 0  # each path sets them as it opens its sets
 
     def recipe(self) -> dict:
         """The training set's share of the recipe: its crop side and policy."""
         return {"crop_size": self.crop_size, "auto_augment": self.auto_augment}
 
-    def _stream_folders(self, splits: FolderSplits) -> None:
-        cfg = self.cfg
-        size, seed, crop = cfg.resolved_image_size, cfg.seed, cfg.resolved_val_crop_size
-        view = (cfg.val_resize_size or resize_side(crop), crop)
-        self._start_loaders(
-            FolderDataset(splits.train_samples, size, seed, self.augment, **self.recipe()),
-            FolderDataset(splits.val_samples, size, seed, "none", view=view),
-        )
+    def val_view(self) -> tuple[int, int]:
+        """Validation's (resize side, crop side) for sets decoded as they are read."""
+        crop = self.cfg.val_crop_size
+        return self.cfg.val_resize_size or resize_side(crop), crop
 
-    def _stream_shards(self, splits: ShardSplits) -> None:
-        """Shards: each rank's loader workers stream their parts of the epoch
-        (ddpcli.data.shards.feed); decoding and augmentation as for image folders."""
-        cfg = self.cfg
-        size, seed, crop = cfg.resolved_image_size, cfg.seed, cfg.resolved_val_crop_size
-        view = (cfg.val_resize_size or resize_side(crop), crop)
-        normalise = Normalise(self.ctx.device, self.mean, self.std, self.channels_last)
-        self.shards = ShardFeed(
-            splits, cfg, self.ctx, self.workers, normalise,
-            MemberImages(size, seed, self.augment, **self.recipe()),
-            MemberImages(size, seed, "none", view=view),
-        )  # fmt: skip
-        self.train_size, self.val_size = self.shards.train_size, self.shards.val_size
+    @property
+    def path_name(self) -> str:
+        return f"{self.name} ({self.workers} workers)"
 
-    def _stream_custom(self, splits: CustomSplits) -> None:
-        cfg = self.cfg
-        size, classes = cfg.resolved_image_size, splits.num_classes
-        self._start_loaders(
-            CustomDataset(
-                splits.train, "train", cfg.dataset, classes, size, cfg.seed, self.augment
-            ),
-            CustomDataset(splits.val, "val", cfg.dataset, classes, size, cfg.seed, "none"),
-        )
+    @abstractmethod
+    def check_one_batch(self) -> None:
+        """Full batches only: each rank's share of the train split must fill one."""
 
-    def _start_loaders(self, train: KeyedImages, val: KeyedImages) -> None:
-        self.train_size, self.val_size = len(train), len(val)
-        self.train_loader = self._loader(train, drop_last=True)
-        self.val_loader = self._loader(val, drop_last=False)
-        self.loaders = [self.train_loader, self.val_loader]
+    @abstractmethod
+    def steps_per_epoch(self, start: int = 0) -> int:
+        """Full batches per rank and epoch: what train_batches yields. START > 0: the rest of
+        an epoch re-dealt from that global sample offset (ddpcli.data.resharding)."""
+
+    @abstractmethod
+    def describe_sizes(self) -> str:
+        """`4096 of 4097 train images per epoch (last partial batch dropped) / 1025 val images
+        · 10 classes`: a stray folder taken for a class shows in the count."""
+
+    @abstractmethod
+    def describe_rest(self, epoch: int, start: int) -> str:
+        """How a resume deals the rest of EPOCH from the global sample offset START."""
+
+    @abstractmethod
+    def train_batches(self, epoch: int, skip_batches: int = 0, start: int = 0) -> Any:
+        """The epoch's order depends only on seed and epoch; a resume skips by position, or
+        (START > 0) deals the rest of the order from that global sample offset."""
+
+    @abstractmethod
+    def val_batches(self) -> Any: ...
+
+    # --- the resume state, beside the sample offset the TrainState holds
+    def state_dict(self, batch_in_epoch: int, epoch_start: int) -> dict[str, Any] | None:
+        """For a checkpoint's `stream_position` (every rank calls it: it may be a collective).
+        None where the sample offset alone says where the epoch stands."""
+        return None
+
+    def load_state_dict(self, position: dict[str, Any] | None) -> None:
+        """A resume's `stream_position`: where the rest of its epoch is dealt from."""
+        return None  # the sample offset in the TrainState is all there is to follow
+
+    def stream_line(self) -> str:
+        """The header's line on how the data is streamed; "" where there is nothing to say."""
+        return ""
 
     def close(self) -> None:
         """End the loader workers before the process ends (LoaderBatches.close says why)."""
-        for loader in self.loaders:
-            loader.close()
+        return None  # a path without workers has nothing to end
 
-    def _loader(self, dataset: KeyedImages, drop_last: bool) -> LoaderBatches:
-        return LoaderBatches(
-            dataset, self.cfg.per_gpu_batch, self.ctx.device, self.mean, self.std, self.workers,
-            self.channels_last, drop_last,
+    def wrapped(self, batches: Any, indices: list[int], epoch: int) -> Any:
+        """Random erasing, the sample trace and the slowed rank, as asked; INDICES: the keys
+        of the epoch's batches, in order (for shards, read as each batch is handed out)."""
+        if self.cfg.random_erase > 0:
+            batches = ErasedBatches(batches, indices, self.cfg.seed, epoch, self.cfg.random_erase)
+        if self.trace_file:
+            world = self.ctx.world_size
+            batches = TracedBatches(batches, indices, self.trace_file, epoch, world)
+        slow = self.cfg.slow_data
+        if slow is not None and slow[0] == self.ctx.rank:
+            batches = SlowedBatches(batches, slow[1])
+        return batches
+
+
+def normalisation(splits: Splits | CustomSplits, cfg: RunPlan) -> tuple[list, list]:
+    """The mean and std batches are normalised with: the in-memory sets' own, measured on the
+    training split; ImageNet's for image folders, streamed or decoded once, and a user's sets."""
+    if isinstance(splits, MemorySplits) and cfg.dataset != "imagefolder":
+        return channel_stats(splits.train.images)
+    return IMAGENET_MEAN, IMAGENET_STD
+
+
+def DataPipeline(  # named as what it makes: callers build their data path with it
+    splits: Splits | CustomSplits, cfg: RunPlan, ctx: DistContext, device_resident: bool
+) -> DataPath:
+    """This rank's data path, chosen here and nowhere else: shards streamed, a set held on the
+    device (only a set in memory can be moved there), or a DataLoader over the rest."""
+    if isinstance(splits, MemorySplits) and cfg.dataset != "imagefolder":
+        crop = cfg.val_crop_size
+        splits.val = view_set(splits.val, cfg.val_resize_size or crop, crop)
+    path: DataPath
+    if isinstance(splits, ShardSplits):
+        path = ShardPath(splits, cfg, ctx)
+    elif device_resident and isinstance(splits, MemorySplits):
+        path = DevicePath(splits, cfg, ctx)
+    else:
+        path = LoaderPath(splits, cfg, ctx)
+    path.check_one_batch()
+    return path
+
+
+class ShardPath(DataPath):
+    """--dataset shards: each rank's loader workers stream their parts of the epoch
+    (ddpcli.data.shards.feed); decoding and augmentation as for image folders. Its resume
+    state is the streams' pieces not yet trained: a resume deals the rest anew, never
+    skipping batches."""
+
+    name = "shards"
+
+    def __init__(self, splits: ShardSplits, cfg: RunPlan, ctx: DistContext):
+        super().__init__(splits, cfg, ctx)
+        size, seed = cfg.image_size, cfg.seed
+        normalise = Normalise(ctx.device, self.mean, self.std, self.channels_last)
+        self.feed = ShardFeed(
+            splits, cfg, ctx, self.workers, normalise,
+            MemberImages(size, seed, self.augment, **self.recipe()),
+            MemberImages(size, seed, "none", view=self.val_view()),
         )  # fmt: skip
+        self.train_size, self.val_size = self.feed.train_size, self.feed.val_size
 
-    def _check_one_batch(self) -> None:
-        """Full batches only: each rank's share of the train split must fill one."""
-        if self.steps_per_epoch() == 0 and self.shards is not None:
+    def check_one_batch(self) -> None:
+        if self.steps_per_epoch() == 0:
             raise agreed_error(
                 f"the shards' {self.train_size} train samples over {self.ctx.world_size} "
                 f"rank(s) give some rank fewer than {LEAST_BATCH}, the least a training batch "
                 "holds; pack more samples or run fewer ranks",
                 USAGE,
             )
+
+    def steps_per_epoch(self, start: int = 0) -> int:
+        return self.feed.steps(start)
+
+    def describe_sizes(self) -> str:
+        return (
+            f"{self.feed.describe_sizes()} / {self.val_size} val samples · "
+            f"{self.splits.num_classes} classes"
+        )
+
+    def describe_rest(self, epoch: int, start: int) -> str:
+        return self.feed.describe_rest(epoch, start)
+
+    def train_batches(self, epoch: int, skip_batches: int = 0, start: int = 0) -> Any:
+        batches = self.feed.train_batches(epoch, start)
+        return self.wrapped(batches, cast(list[int], batches.keys), epoch)
+
+    def val_batches(self) -> Any:
+        return self.feed.val_batches()
+
+    def state_dict(self, batch_in_epoch: int, epoch_start: int) -> dict[str, Any] | None:
+        """The shard streams' pieces not yet trained (a collective on every rank)."""
+        return self.feed.position(batch_in_epoch, epoch_start)
+
+    def load_state_dict(self, position: dict[str, Any] | None) -> None:
+        self.feed.follow(position)
+
+    def stream_line(self) -> str:
+        return self.feed.stream_line()
+
+
+class SampledPath(DataPath):
+    """A set whose epoch DistributedSampler deals (or --ra-reps, or a re-dealt rest): the
+    arithmetic the device and loader paths share. A resume skips by position, or re-deals
+    the rest from a global sample offset; both live in the TrainState, so `state_dict` is
+    None."""
+
+    def check_one_batch(self) -> None:
         if self.steps_per_epoch() == 0:
             world, batch = self.ctx.world_size, self.cfg.per_gpu_batch
             raise agreed_error(
@@ -262,21 +335,11 @@ class DataPipeline:
                 USAGE,
             )
 
-    @property
-    def path_name(self) -> str:
-        if self.shards is not None:
-            return f"shards ({self.workers} workers)"
-        return "device" if self.device_resident else f"loader ({self.workers} workers)"
-
     def shard_size(self) -> int:
         """Each rank's training images per epoch, before batching (DistributedSampler pads)."""
         return math.ceil(self.train_size / self.ctx.world_size)
 
     def steps_per_epoch(self, start: int = 0) -> int:
-        """Full batches per rank and epoch: what train_batches yields. START > 0: the rest of
-        an epoch re-dealt from that global sample offset (ddpcli.data.resharding)."""
-        if self.shards is not None:
-            return self.shards.steps(start)
         if start:
             return remaining_steps(
                 self.train_size, start, self.ctx.world_size, self.cfg.per_gpu_batch
@@ -284,18 +347,9 @@ class DataPipeline:
         return self.shard_size() // self.cfg.per_gpu_batch
 
     def images_per_epoch(self) -> int:
-        if self.shards is not None:  # every sample, the tail folded into the last batches
-            return self.train_size
         return self.steps_per_epoch() * self.cfg.per_gpu_batch * self.ctx.world_size
 
     def describe_sizes(self) -> str:
-        """`4096 of 4097 train images per epoch (last partial batch dropped) / 1025 val images
-        · 10 classes`: a stray folder taken for a class shows in the count."""
-        if self.shards is not None:
-            return (
-                f"{self.shards.describe_sizes()} / {self.val_size} val samples · "
-                f"{self.splits.num_classes} classes"
-            )
         trained, size = self.images_per_epoch(), self.train_size
         if trained < size:
             train = f"{trained} of {size} train images per epoch (last partial batch dropped)"
@@ -312,8 +366,6 @@ class DataPipeline:
     def describe_rest(self, epoch: int, start: int) -> str:
         """`epoch 1: 36 of 96 samples trained before the resume; the other 60 dealt over 2
         ranks, 7 batches of 4 each, the last of them 6 (the tail folded in)`."""
-        if self.shards is not None:
-            return self.shards.describe_rest(epoch, start)
         world, batch, size = self.ctx.world_size, self.cfg.per_gpu_batch, self.train_size
         head = (
             f"epoch {epoch + 1}: {start} of {size} samples trained before the resume; the other "
@@ -336,35 +388,15 @@ class DataPipeline:
             line += f", the last of them {last} (the tail folded in)"
         return line
 
-    def train_batches(self, epoch: int, skip_batches: int = 0, start: int = 0):
-        """The epoch's order depends only on seed and epoch; a resume skips by position, or
-        (START > 0) deals the rest of the order from that global sample offset."""
-        if self.shards is not None:  # a resume deals the rest anew: never skips batches
-            shard_batches = self.shards.train_batches(epoch, start)
-            return self._wrapped(shard_batches, cast(list[int], shard_batches.keys), epoch)
+    def train_batches(self, epoch: int, skip_batches: int = 0, start: int = 0) -> Any:
         keys = self.epoch_keys(epoch, start)
         sizes = self.train_batch_sizes(len(keys), start)
         indices, sizes = keys[sum(sizes[:skip_batches]) :], sizes[skip_batches:]
-        if self.device_resident:
-            batches = self._device_batches(
-                self.train_set, indices, self.augment, epoch, True, self.auto_augment, sizes
-            )
-        else:
-            batches = self.train_loader.for_epoch(indices, epoch, sizes)
-        return self._wrapped(batches, indices, epoch)
+        return self.wrapped(self.batches_of(indices, epoch, sizes), indices, epoch)
 
-    def _wrapped(self, batches: Any, indices: list[int], epoch: int) -> Any:
-        """Random erasing, the sample trace and the slowed rank, as asked; INDICES: the keys
-        of the epoch's batches, in order (for shards, read as each batch is handed out)."""
-        if self.cfg.random_erase > 0:
-            batches = ErasedBatches(batches, indices, self.cfg.seed, epoch, self.cfg.random_erase)
-        if self.trace_file:
-            world = self.ctx.world_size
-            batches = TracedBatches(batches, indices, self.trace_file, epoch, world)
-        slow = self.cfg.slow_data
-        if slow is not None and slow[0] == self.ctx.rank:
-            batches = SlowedBatches(batches, slow[1])
-        return batches
+    @abstractmethod
+    def batches_of(self, indices: list[int], epoch: int, sizes: list[int]) -> Any:
+        """The training batches of INDICES, in micro-batches of SIZES."""
 
     def train_batch_sizes(self, keys: int, start: int) -> list[int]:
         """The lengths of this rank's micro-batches of its KEYS for the epoch: full batches,
@@ -390,32 +422,36 @@ class DataPipeline:
             )
         return train_shard(self.train_size, ctx, cfg.seed, epoch)
 
-    def val_batches(self):
-        if self.shards is not None:
-            return self.shards.val_batches()
+
+class DevicePath(SampledPath):
+    """--data-path device: the uint8 set lives where it is augmented; batches never cross
+    PCIe."""
+
+    name = "device"
+    device_resident = True
+
+    def __init__(self, splits: MemorySplits, cfg: RunPlan, ctx: DistContext):
+        super().__init__(splits, cfg, ctx)
+        # The splits then hold the device copies only: a host copy kept beside them would
+        # hold the whole set in host memory for nothing, per rank.
+        splits.train = self.train_set = on_device(splits.train, ctx.device)
+        splits.val = self.val_set = on_device(splits.val, ctx.device)
+        self.train_size, self.val_size = len(splits.train), len(splits.val)
+
+    @property
+    def path_name(self) -> str:
+        return self.name
+
+    def batches_of(self, indices: list[int], epoch: int, sizes: list[int]) -> Any:
+        return self.device_batches(
+            self.train_set, indices, self.augment, epoch, True, self.auto_augment, sizes
+        )
+
+    def val_batches(self) -> Any:
         indices = val_shard(self.val_size, self.ctx)
-        if self.device_resident:
-            return self._device_batches(self.val_set, indices, "none", 0, drop_last=False)
-        return self.val_loader.for_epoch(indices, 0)
+        return self.device_batches(self.val_set, indices, "none", 0, drop_last=False)
 
-    # --- where a shards epoch stands (None and no-ops on the other paths)
-    def stream_position(self, batch_in_epoch: int, epoch_start: int) -> dict[str, Any] | None:
-        """For a checkpoint: the shard streams' pieces not yet trained (a collective on every
-        rank); None on the other paths, whose position is the sample offset alone."""
-        if self.shards is None:
-            return None
-        return self.shards.position(batch_in_epoch, epoch_start)
-
-    def follow_position(self, position: dict[str, Any] | None) -> None:
-        """A resume's stream position (shards): the rest of its epoch is dealt from it."""
-        if self.shards is not None:
-            self.shards.follow(position)
-
-    def stream_line(self) -> str:
-        """The header's line on how shards are read; "" on the other paths."""
-        return self.shards.stream_line() if self.shards is not None else ""
-
-    def _device_batches(
+    def device_batches(
         self,
         image_set: ImageSet,
         indices,
@@ -430,3 +466,56 @@ class DataPipeline:
             augment, self.cfg.seed, epoch, self.channels_last, drop_last, self.crop_size,
             auto_augment, batch_sizes,
         )  # fmt: skip
+
+
+class LoaderPath(SampledPath):
+    """--data-path loader: DataLoader workers decode and augment (ddpcli.data.loader), over a
+    set in memory, an image folder streamed, or a user's own set."""
+
+    name = "loader"
+
+    def __init__(self, splits: Splits | CustomSplits, cfg: RunPlan, ctx: DistContext):
+        super().__init__(splits, cfg, ctx)
+        train, val = self.datasets(splits)
+        self.train_size, self.val_size = len(train), len(val)
+        self.train_loader = self.loader(train, drop_last=True)
+        self.val_loader = self.loader(val, drop_last=False)
+
+    def datasets(self, splits: Splits | CustomSplits) -> tuple[KeyedImages, KeyedImages]:
+        """The train and validation sets the loaders read, decoded as each kind is."""
+        cfg, seed = self.cfg, self.cfg.seed
+        size = cfg.image_size
+        if isinstance(splits, FolderSplits):
+            return (
+                FolderDataset(splits.train_samples, size, seed, self.augment, **self.recipe()),
+                FolderDataset(splits.val_samples, size, seed, "none", view=self.val_view()),
+            )
+        if isinstance(splits, CustomSplits):
+            classes = splits.num_classes
+            return (
+                CustomDataset(
+                    splits.train, "train", cfg.dataset, classes, size, seed, self.augment
+                ),
+                CustomDataset(splits.val, "val", cfg.dataset, classes, size, seed, "none"),
+            )
+        memory = cast(MemorySplits, splits)
+        return (
+            MemoryDataset(memory.train, seed, self.augment, **self.recipe()),
+            MemoryDataset(memory.val, seed, "none"),
+        )
+
+    def loader(self, dataset: KeyedImages, drop_last: bool) -> LoaderBatches:
+        return LoaderBatches(
+            dataset, self.cfg.per_gpu_batch, self.ctx.device, self.mean, self.std, self.workers,
+            self.channels_last, drop_last,
+        )  # fmt: skip
+
+    def batches_of(self, indices: list[int], epoch: int, sizes: list[int]) -> Any:
+        return self.train_loader.for_epoch(indices, epoch, sizes)
+
+    def val_batches(self) -> Any:
+        return self.val_loader.for_epoch(val_shard(self.val_size, self.ctx), 0)
+
+    def close(self) -> None:
+        self.train_loader.close()
+        self.val_loader.close()

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from ddpcli import ui
-from ddpcli.config import TrainConfig
+from ddpcli.config.plan import RunPlan
 from ddpcli.data.decode import UnreadableImage, read_rgb
 from ddpcli.data.layout import (
     IMAGE_SUFFIXES,
@@ -427,23 +427,23 @@ def bad_in(splits: ShardSplits, split: str, shard: int) -> list[tuple[str, int, 
 # --- Loading and checking, as the run asks ------------------------------------------
 
 
-def load_splits(cfg: TrainConfig, ctx: DistContext, device_resident: bool) -> Splits:
+def load_splits(cfg: RunPlan, ctx: DistContext, device_resident: bool) -> Splits:
     """The splits in memory; an image folder only listed unless it will be device-resident."""
-    image_size = cfg.resolved_image_size
+    image_size = cfg.image_size
     if cfg.dataset == "shards":
-        location = cfg.data_dir if cfg.data_dir is not None else cfg.resolved_data_dir
+        location = cfg.data_dir if cfg.data_dir is not None else cfg.data_folder
         return shard_splits(location, ctx, cfg.skip_bad_images)
     if cfg.dataset == "synthetic":
         return synthetic_splits(cfg.synthetic_size, image_size, cfg.seed)
     if cfg.dataset == "stl10":
-        splits = stl10_splits(cfg.resolved_data_dir, cfg.download, ctx)
+        splits = stl10_splits(cfg.data_folder, cfg.download, ctx)
         if image_size != STL10_SIDE:
             splits.train = resize_set(splits.train, image_size)
             splits.val = resize_set(splits.val, image_size)
         return splits
-    cache_dir = cfg.resolved_out / "cache"
+    cache_dir = cfg.out / "cache"
     whole_train = training_augment(cfg.augment, cfg.dataset) == "rrc"
     return imagefolder_splits(
-        cfg.resolved_data_dir, image_size, device_resident, cache_dir, ctx, cfg.skip_bad_images,
+        cfg.data_folder, image_size, device_resident, cache_dir, ctx, cfg.skip_bad_images,
         whole_train,
     )  # fmt: skip

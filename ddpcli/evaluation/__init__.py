@@ -4,7 +4,9 @@
   process, with every exit 2 (a file that is no checkpoint, a model it may not or cannot
   rebuild, weights that do not fit, a folder of other classes);
 - `data`: the split as validation saw it, dealt to the ranks in fixed batches;
-- `rank` and `worker`: one rank's work, and its entry point; `run`: the ranks started;
+- `rank` and `worker`: one rank's work, and its entry point;
+- `run`: the command in the launching process (a rank itself under torchrun or SLURM);
+  `launch`: its ranks started on the launcher's engine, rank 0's report read;
 - `metrics`: top-1, top-5, loss, per-class figures and the confusion matrix, on rank 0;
 - `outputs` and `picture`: the eval folder, confusion.png among it.
 

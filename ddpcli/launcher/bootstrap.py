@@ -148,8 +148,8 @@ def main(argv: list[str]) -> None:
 def close_process_group() -> None:
     """The process group a finished script left open, closed while the interpreter still
     runs, as torch asks scripts to do. Left to the interpreter's exit, a rank 0 that hosts
-    the store (each round's own: ddpcli.launcher.scriptlaunch.restart_safe) now and then aborts
-    there ("terminate called without an active exception"), and a finished job fails."""
+    the store (each round's own: ddpcli.launcher.script_launch.restart_safe) now and then
+    aborts there ("terminate called without an active exception"), and a finished job fails."""
     dist = sys.modules.get("torch.distributed")
     if dist is not None and dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()

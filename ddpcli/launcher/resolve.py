@@ -1,6 +1,7 @@
-"""A validated TrainConfig resolved against this machine: every "auto" filled in, and what
-only the machine can tell checked before any worker starts (GPUs that exist, data that is
-there, a model name that is known, an interface that exists, a free init file).
+"""The checks and the resolutions `ddpcli.launcher.plan.plan_run` makes of a request against
+this machine: every "auto" filled in, and what only the machine can tell checked before any
+worker starts (GPUs that exist, data that is there, a model name that is known, an interface
+that exists, a free init file).
 
 Every refusal here is exit 2 with one line naming the flag: the run never started.
 """
@@ -8,11 +9,14 @@ Every refusal here is exit 2 with one line naming the flag: the run never starte
 from __future__ import annotations
 
 import datetime
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from ddpcli.config import TrainConfig
 from ddpcli.config.common import elastic_rendezvous
+from ddpcli.config.plan import RunPlan
+from ddpcli.config.train import scaled_lr
 from ddpcli.data.layout import STL10_SIDE, check_data_source, resize_side, training_augment
 from ddpcli.environments import LauncherEnv, check_meeting_place, left_aside
 from ddpcli.environments.world import DEFAULT_MASTER_PORT
@@ -26,6 +30,7 @@ from ddpcli.machine import (
     physical_gpu_count,
 )
 from ddpcli.models.archs import check_arch
+from ddpcli.outputs.runfolder import continues_after_requeue
 from ddpcli.outputs.trackers import install_hint, missing_package
 from ddpcli.outputs.trackers.probe import check_reachable, check_tracking_uri
 from ddpcli.training.precision import auto_cpu_precision, native_cpu_bf16
@@ -65,14 +70,12 @@ def check_trackers(cfg: TrainConfig, launcher: LauncherEnv | None) -> None:
         check_reachable(cfg)
 
 
-def resolve_train_config(cfg: TrainConfig, launcher: LauncherEnv | None) -> TrainConfig:
-    """Fill every "auto" value from the machine and check what only the machine can tell."""
-    return with_cpu_precision(with_usable_gpus(checked_train_config(cfg, launcher)))
-
-
-def checked_train_config(cfg: TrainConfig, launcher: LauncherEnv | None) -> TrainConfig:
-    """All of resolve_train_config that needs only the flags and the disk, not torch (whose
-    import takes seconds): a typo is answered at once. --precision auto stays to resolve."""
+def checked_settings(
+    cfg: TrainConfig, launcher: LauncherEnv | None, environ: Mapping[str, str] | None = None
+) -> dict[str, Any]:
+    """The request's settings with every "auto" the flags and the disk can settle filled in,
+    checked without torch (whose import takes seconds): a typo is answered at once.
+    --precision auto stays for the plan's second stage (ddpcli.launcher.plan)."""
     values = cfg.model_dump()
     if launcher is None:
         resolve_devices(values)
@@ -100,11 +103,18 @@ def checked_train_config(cfg: TrainConfig, launcher: LauncherEnv | None) -> Trai
     if launcher is None or launcher.rank == 0:
         check_init_file(cfg)
     values["world_from"] = world_origin(cfg, launcher)
+    if continues_after_requeue(cfg.resume, values["out"], launcher, environ):
+        values["resume"], values["overwrite"] = "auto", False  # a requeue never clears the run
+    # The validators fill in what follows from the rest (--lr from the arch, the optimiser's
+    # defaults): the settings as the plan holds them.
     resolved = TrainConfig(**values)
-    # What --dry-run shows; every worker computes it again from the world it joined.
     world_size = launcher.world_size if launcher is not None else resolved.world_size
     check_ra_reps(resolved.ra_reps, world_size)
-    return resolved.model_copy(update={"peak_lr": resolved.peak_lr_at(world_size)})
+    settled = resolved.model_dump()
+    # What --dry-run shows; every rank settles it again from the world it joined.
+    global_batch = resolved.global_batch_at(world_size)
+    peak_lr = scaled_lr(settled["lr"], global_batch, resolved.lr_base_batch, settled["lr_scaling"])
+    return {**settled, "peak_lr": peak_lr}
 
 
 def resolve_crop_sizes(values: dict[str, Any]) -> None:
@@ -164,12 +174,11 @@ def world_origin(cfg: TrainConfig, launcher: LauncherEnv | None) -> str:
 MINIMUM_DRIVER = {11: 450, 12: 525, 13: 580}
 
 
-def with_usable_gpus(cfg: TrainConfig) -> TrainConfig:
+def check_usable_gpus(cfg: TrainConfig) -> None:
     """A run on GPUs that torch cannot use is refused here: its workers would each fall back
     to the CPU unseen (an 8-GPU node training as 8 Gloo processes)."""
     if not cfg.cpu:
         check_torch_sees_gpus(len(cfg.gpus or []), on_the_cpu="pass --cpu to run on the CPU")
-    return cfg
 
 
 def launched_on_gpus() -> bool:
@@ -240,13 +249,12 @@ def driver_major(driver: str) -> int:
     return int(head) if head.isdigit() else 0
 
 
-def with_cpu_precision(cfg: TrainConfig) -> TrainConfig:
+def planned_precision(plan: RunPlan) -> tuple[str, str | None]:
     """`--precision auto` on the CPU (ddpcli.training.precision: native bf16 and a model it pays
-    for), asked of torch. On GPUs each worker decides from the device it is given."""
-    if not cfg.cpu or cfg.precision != "auto":
-        return cfg
-    precision, reason = auto_cpu_precision(cfg.resolved_arch, native_cpu_bf16())
-    return cfg.model_copy(update={"precision": precision, "precision_reason": reason})
+    for), asked of torch, and why. On GPUs each rank decides from the device it is given."""
+    if not plan.cpu or plan.precision != "auto":
+        return plan.precision, plan.precision_reason
+    return auto_cpu_precision(plan.arch, native_cpu_bf16())
 
 
 def default_out_dir() -> Path:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ddpcli.config import TrainConfig
+from ddpcli.config.plan import RunPlan
 from ddpcli.machine import cpu_count
 
 GB = 1e9
@@ -18,7 +18,7 @@ MODEL_COPIES = 4
 STL10_IMAGES = 13_000  # train + test split
 
 
-def capacity_warnings(cfg: TrainConfig, available_bytes: float | None = None) -> list[str]:
+def capacity_warnings(cfg: RunPlan, available_bytes: float | None = None) -> list[str]:
     """What this node's share of the run asks of the machine, where it asks too much."""
     warnings = []
     processes, cores = cfg.nproc_per_node, cpu_count()
@@ -55,16 +55,16 @@ def available_memory_bytes(meminfo: Path = Path("/proc/meminfo")) -> float | Non
     return None
 
 
-def data_bytes(cfg: TrainConfig) -> float:
+def data_bytes(cfg: RunPlan) -> float:
     """Each CPU process holds the uint8 set in its memory (the device path on the CPU);
     on GPUs, and for image folders, the set is elsewhere or streamed."""
     if cfg.uses_gpus or cfg.dataset in ("imagefolder", "shards") or cfg.data_path == "loader":
         return 0.0
     images = cfg.synthetic_size * 1.25 if cfg.dataset == "synthetic" else STL10_IMAGES
-    return images * 3 * cfg.resolved_image_size**2
+    return images * 3 * cfg.image_size**2
 
 
-def model_bytes(cfg: TrainConfig) -> float:
+def model_bytes(cfg: RunPlan) -> float:
     """The model's float32 copies in host memory (on GPUs they are in device memory),
     counted on the meta device: no memory, no weights."""
     if cfg.uses_gpus:
@@ -75,5 +75,5 @@ def model_bytes(cfg: TrainConfig) -> float:
 
     classes = 1000 if cfg.dataset == "imagefolder" else 10
     with torch.device("meta"):
-        model = build_model(cfg.resolved_arch, classes)
+        model = build_model(cfg.arch, classes)
     return MODEL_COPIES * 4.0 * sum(parameter.numel() for parameter in model.parameters())

@@ -19,12 +19,12 @@ import math
 import os
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ddpcli import ui
-from ddpcli.config import TrainConfig
+from ddpcli.config.plan import RunPlan
 from ddpcli.environments import LauncherEnv, restarted_by
 from ddpcli.environments.world import DEFAULT_MASTER_PORT
 from ddpcli.errors import usage_error
@@ -54,7 +54,7 @@ class Holder:
         return f"{text}, member {self.member} of job {self.job}" if self.job else text
 
 
-def membership(cfg: TrainConfig, launcher: LauncherEnv | None) -> tuple[str | None, int | str]:
+def membership(cfg: RunPlan, launcher: LauncherEnv | None) -> tuple[str | None, int | str]:
     """This process's job key and its place in the job: every node of one multi-node job
     (or every rank under an outside launcher) derives the same key."""
     if launcher is not None:
@@ -140,10 +140,10 @@ def read_holder(path: Path) -> Holder | None:
 
 
 @contextlib.contextmanager
-def claim_run_folder(cfg: TrainConfig, launcher: LauncherEnv | None) -> Iterator[None]:
+def claim_run_folder(cfg: RunPlan, launcher: LauncherEnv | None) -> Iterator[None]:
     """For the run's life: --out is this run's (locked), and an earlier run in it was
     continued (--resume), cleared (--overwrite, by the lock's holder only) or refused."""
-    out = cfg.resolved_out
+    out = cfg.out
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as error:
@@ -228,17 +228,20 @@ def clear_earlier_run(out: Path) -> None:
         ui.warn(f"--overwrite: removed the earlier run in {out} ({found})")
 
 
-def continue_after_requeue(
-    cfg: TrainConfig, launcher: LauncherEnv | None, environ: dict[str, str] | None = None
-) -> TrainConfig:
-    """A scheduler's requeue (or an agent's restart) runs the same command again: it
-    continues the run in --out (as --resume auto) instead of refusing or clearing it."""
+def continues_after_requeue(
+    resume: str | None,
+    out: Path,
+    launcher: LauncherEnv | None,
+    environ: Mapping[str, str] | None = None,
+) -> bool:
+    """A scheduler's requeue (or an agent's restart) runs the same command again: True when
+    it must continue the run in OUT (as --resume auto) instead of refusing or clearing it."""
     reason = restarted_by(environ)
-    if reason is None or cfg.resume is not None:
-        return cfg
+    if reason is None or resume is not None:
+        return False
     if launcher is None or launcher.rank == 0:
         ui.info(
             f"{reason}: this job was started again; it continues from "
-            f"{cfg.resolved_out / 'checkpoints' / 'last.pt'} if there (as with --resume auto)"
+            f"{out / 'checkpoints' / 'last.pt'} if there (as with --resume auto)"
         )
-    return cfg.model_copy(update={"resume": "auto", "overwrite": False})
+    return True

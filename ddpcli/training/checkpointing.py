@@ -28,8 +28,8 @@ from ddpcli.checkpoint.schema import (
     world_change_line,
 )
 from ddpcli.checkpoint.writer import CheckpointWriter
-from ddpcli.config import TrainConfig
-from ddpcli.data.pipeline import DataPipeline
+from ddpcli.config.plan import RunPlan
+from ddpcli.data.pipeline import DataPath
 from ddpcli.dist import DistContext, all_reduce_max
 from ddpcli.errors import runtime_error
 
@@ -37,9 +37,9 @@ from ddpcli.errors import runtime_error
 class Checkpointing:
     def __init__(
         self,
-        cfg: TrainConfig,
+        cfg: RunPlan,
         ctx: DistContext,
-        data: DataPipeline,
+        data: DataPath,
         parts: TrainingParts,
         on_saved: Callable[[int], None] | None = None,
     ) -> None:
@@ -53,7 +53,7 @@ class Checkpointing:
         one."""
         splits = self.data.splits
         # A collective on shards: every rank's streams say what they have left.
-        state.stream_position = self.data.stream_position(state.batch_in_epoch, state.epoch_start)
+        state.stream_position = self.data.state_dict(state.batch_in_epoch, state.epoch_start)
         normalization = {"mean": list(self.data.mean), "std": list(self.data.std)}
         payload = training_payload(
             self.parts, state, self.cfg, self.ctx, splits.num_classes, splits.class_names,
@@ -70,7 +70,7 @@ class Checkpointing:
         the file does not say)."""
         payload = load_training_checkpoint(path, self.ctx.device, self.cfg.resume_checked)
         state = restore_training(payload, self.parts, self.ctx, path, self.cfg.per_gpu_batch)
-        self.data.follow_position(state.stream_position)
+        self.data.load_state_dict(state.stream_position)
         saved_batch = global_batch_of(payload.get("config") or {}, payload["world_size"])
         if path.resolve() == (self.writer.directory / "last.pt").resolve():
             self.saved_step = state.step

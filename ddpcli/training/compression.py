@@ -21,7 +21,6 @@ and Q by the same code, and the uncompressed tensors' same all-reduced mean.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,7 +35,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import (
 )
 from torch.nn.parallel import DistributedDataParallel
 
-from ddpcli.config import TrainConfig
+from ddpcli.config.plan import RunPlan
 from ddpcli.config.train import powersgd_rank
 from ddpcli.dist import DistContext
 
@@ -47,23 +46,18 @@ MIN_COMPRESSION_RATE = 2
 ORTHOGONALIZATION_EPSILON = 1e-8
 MB = 1_000_000
 
-_STATES: weakref.WeakKeyDictionary[nn.Module, PowerSGD] = weakref.WeakKeyDictionary()
 
-
-def register_compression(ddp: DistributedDataParallel, cfg: TrainConfig) -> None:
-    """CFG's --grad-compression as DDP's communication hook (none: DDP's own all-reduce)."""
+def register_compression(ddp: DistributedDataParallel, cfg: RunPlan) -> PowerSGD | None:
+    """CFG's --grad-compression as DDP's communication hook (none: DDP's own all-reduce).
+    Returns PowerSGD's state, which the checkpoint keeps; None for the stateless hooks."""
     if cfg.grad_compression in HALF_HOOKS:
         ddp.register_comm_hook(None, HALF_HOOKS[cfg.grad_compression])
     rank = powersgd_rank(cfg.grad_compression)
-    if rank is not None:
-        state = PowerSGD(rank, cfg.powersgd_start_step, cfg.seed, parameter_keys(ddp.module))
-        ddp.register_comm_hook(state, powersgd_hook)
-        _STATES[ddp] = state
-
-
-def compression_state(model: nn.Module) -> PowerSGD | None:
-    """The PowerSGD state of MODEL's hook (it goes into the checkpoint); None without one."""
-    return _STATES.get(model)
+    if rank is None:
+        return None
+    state = PowerSGD(rank, cfg.powersgd_start_step, cfg.seed, parameter_keys(ddp.module))
+    ddp.register_comm_hook(state, powersgd_hook)
+    return state
 
 
 def parameter_keys(module: nn.Module) -> dict[int, int]:
@@ -263,7 +257,7 @@ def bytes_per_step(parameters: Sequence[torch.Tensor], grad_compression: str) ->
     return total
 
 
-def describe_gradients(cfg: TrainConfig, model: nn.Module, world_size: int) -> str:
+def describe_gradients(cfg: RunPlan, model: nn.Module, world_size: int) -> str:
     """`gradients: powersgd rank 2 after 1000 uncompressed steps: about 0.3 MB all-reduced
     per step instead of 44.7 MB ... · DDP buckets of 25 MB, ...`."""
     parameters = [p for p in model.parameters() if p.requires_grad]
@@ -296,7 +290,7 @@ def shown_size(size: int) -> str:
     return f"{size / MB:.1f} MB" if size >= MB / 10 else f"{size / 1e3:.1f} kB"
 
 
-def describe_ddp_settings(cfg: TrainConfig) -> str:
+def describe_ddp_settings(cfg: RunPlan) -> str:
     return (
         f"DDP buckets of {cfg.bucket_cap_mb:g} MB, static graph "
         f"{'on' if cfg.static_graph else 'off'}, gradient as bucket view "
@@ -304,7 +298,7 @@ def describe_ddp_settings(cfg: TrainConfig) -> str:
     )
 
 
-def start_step_warning(cfg: TrainConfig, total_steps: int) -> str:
+def start_step_warning(cfg: RunPlan, total_steps: int) -> str:
     """PowerSGD that never starts in this run deserves a word."""
     if powersgd_rank(cfg.grad_compression) is None or cfg.powersgd_start_step < total_steps:
         return ""

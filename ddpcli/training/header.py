@@ -8,9 +8,9 @@ import torch
 from torch import nn
 
 from ddpcli import ui
-from ddpcli.config import TrainConfig
+from ddpcli.config.plan import RunPlan
 from ddpcli.config.train import OPTIMIZER_DEFAULTS
-from ddpcli.data.pipeline import DataPipeline
+from ddpcli.data.pipeline import DataPath
 from ddpcli.data.sets import SKIPPED_IMAGES_FILE
 from ddpcli.dist import DistContext
 from ddpcli.training.compression import describe_gradients, start_step_warning
@@ -21,10 +21,10 @@ from ddpcli.training.strategy import batch_split, model_devices
 
 
 def announce_run(
-    cfg: TrainConfig,
+    cfg: RunPlan,
     ctx: DistContext,
     schedule: Schedule,
-    data: DataPipeline,
+    data: DataPath,
     model: nn.Module,
     ema: WeightAverage | None,
 ) -> None:
@@ -63,7 +63,7 @@ def announce_run(
 
 
 def announce_gradients(
-    cfg: TrainConfig, ctx: DistContext, schedule: Schedule, model: nn.Module
+    cfg: RunPlan, ctx: DistContext, schedule: Schedule, model: nn.Module
 ) -> None:
     """DDP's all-reduce: what it sends per step, compressed or not, and DDP's settings."""
     if cfg.strategy != "ddp" or (ctx.world_size == 1 and cfg.grad_compression == "none"):
@@ -74,7 +74,7 @@ def announce_gradients(
         ui.warn(warning)
 
 
-def announce_ingredients(cfg: TrainConfig, schedule: Schedule, ema: WeightAverage | None) -> None:
+def announce_ingredients(cfg: RunPlan, schedule: Schedule, ema: WeightAverage | None) -> None:
     if ingredients := ingredients_line(cfg, ema):
         ui.info(ingredients)
     if ema is not None and (
@@ -85,14 +85,14 @@ def announce_ingredients(cfg: TrainConfig, schedule: Schedule, ema: WeightAverag
         ui.warn(warning)
 
 
-def describe_optimizer(cfg: TrainConfig) -> str:
+def describe_optimizer(cfg: RunPlan) -> str:
     """`sgd (nesterov momentum 0.9, weight decay 0.0005)`; AdamW's with its betas, and
     whether --lr-scaling is its default."""
-    decay = f"weight decay {cfg.resolved_weight_decay:g}"
+    decay = f"weight decay {cfg.weight_decay:g}"
     if cfg.optimizer != "adamw":
-        return f"sgd (nesterov momentum {cfg.resolved_momentum:g}, {decay})"
+        return f"sgd (nesterov momentum {cfg.momentum or 0.0:g}, {decay})"
     betas = ", ".join(f"{beta:g}" for beta in cfg.betas or [])
-    scaling = cfg.resolved_lr_scaling
+    scaling = cfg.lr_scaling
     default = OPTIMIZER_DEFAULTS["adamw"]["lr_scaling"]
     rule = f"--lr-scaling {scaling}" + (", adamw's default" if scaling == default else "")
     return f"adamw (betas {betas}, {decay}; {rule})"
@@ -107,7 +107,7 @@ def describe_precision(precision: str, device: torch.device, reason: str | None 
     return f"{precision} ({'; '.join(notes)})" if notes else precision
 
 
-def split_note(cfg: TrainConfig, ctx: DistContext, model: nn.Module, accumulate: int) -> str:
+def split_note(cfg: RunPlan, ctx: DistContext, model: nn.Module, accumulate: int) -> str:
     """dp and balanced-dp: how each batch is shared out over the GPUs."""
     if cfg.strategy == "ddp":
         return ""
@@ -120,7 +120,7 @@ def split_note(cfg: TrainConfig, ctx: DistContext, model: nn.Module, accumulate:
     return note + f" over {gpus} GPUs"
 
 
-def ingredients_line(cfg: TrainConfig, ema: WeightAverage | None) -> str:
+def ingredients_line(cfg: RunPlan, ema: WeightAverage | None) -> str:
     """`recipe: sync-bn · EMA every 32 steps, decay 0.99... · ...`: the ingredients on."""
     parts = ["sync-bn"] if cfg.sync_bn else []
     if ema is not None:
@@ -140,11 +140,11 @@ def ingredients_line(cfg: TrainConfig, ema: WeightAverage | None) -> str:
     return "recipe: " + " · ".join(parts) if parts else ""
 
 
-def skipped_images_warning(skipped: list[str], cfg: TrainConfig) -> str:
+def skipped_images_warning(skipped: list[str], cfg: RunPlan) -> str:
     if not skipped:
         return ""
     return (
         f"--skip-bad-images: left out {len(skipped)} image(s) that cannot be decoded "
         f"({', '.join(skipped[:3])}{', ...' if len(skipped) > 3 else ''}); all of them "
-        f"in {cfg.resolved_out / SKIPPED_IMAGES_FILE}"
+        f"in {cfg.out / SKIPPED_IMAGES_FILE}"
     )

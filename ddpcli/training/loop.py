@@ -21,9 +21,9 @@ from torch.nn.parallel import DistributedDataParallel
 from ddpcli import ui
 from ddpcli.checkpoint.schema import TrainingParts, TrainState
 from ddpcli.checkpoint.writer import write_metrics_history
-from ddpcli.config import TrainConfig
+from ddpcli.config.plan import RunPlan
 from ddpcli.data.mixing import BatchMixing, build_mixing
-from ddpcli.data.pipeline import DataPipeline
+from ddpcli.data.pipeline import DataPath
 from ddpcli.dist import DistContext, all_reduce_max, all_reduce_sum, barrier
 from ddpcli.errors import DdpcliError, agreed_error
 from ddpcli.files import write_text_atomic
@@ -37,9 +37,9 @@ from ddpcli.outputs.rankload import (
     straggler_note,
 )
 from ddpcli.outputs.steplog import StepLog
+from ddpcli.outputs.summary import SUMMARY_FILE, RunSummary, StopRecord
 from ddpcli.outputs.trackers.fanout import Trackers, run_opening
 from ddpcli.training.checkpointing import Checkpointing
-from ddpcli.training.compression import compression_state
 from ddpcli.training.ema import WeightAverage, adjusted_decay
 from ddpcli.training.header import announce_run
 from ddpcli.training.metrics import StepTimer, means, memory_metrics, synced_time
@@ -51,16 +51,17 @@ from ddpcli.training.parts import (
 )
 from ddpcli.training.profiling import StepProfiler, step_profiler
 from ddpcli.training.schedule import Schedule
-from ddpcli.training.stopping import SUMMARY_FILE, Interrupted, Preemption, stop_record
+from ddpcli.training.stopping import Interrupted, Preemption, stop_record
 from ddpcli.training.strategy import unwrap
 from ddpcli.training.validation import NOT_VALIDATED, Validation
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig, ctx: DistContext, data: DataPipeline) -> None:
+    def __init__(self, cfg: RunPlan, ctx: DistContext, data: DataPath) -> None:
         self.cfg, self.ctx, self.data = cfg, ctx, data
         configure_cuda_math(cfg.precision, ctx.device)
-        self.model = build_parallel_model(cfg, ctx, data.splits.num_classes)
+        parallel = build_parallel_model(cfg, ctx, data.splits.num_classes)
+        self.model = parallel.model
         self.forward_model = torch.compile(self.model) if cfg.compile else self.model
         self.optimizer = build_optimizer(cfg, self.model)
         self.schedule = Schedule(cfg, ctx.world_size, data)
@@ -78,11 +79,11 @@ class Trainer:
             self.scheduler,
             self.scaler,
             self.ema,
-            compression_state(self.model),
+            parallel.compression,  # the hook's state: the wrapped model's owner holds it
         )
         self.checkpoints = Checkpointing(cfg, ctx, data, parts, on_saved=self.checkpoint_saved)
         self.validation = Validation(cfg, ctx, data, not_finite=self.non_finite_stop)
-        self.out = cfg.resolved_out
+        self.out = cfg.out
         self.finite_step = 0  # the last step at which the loss was checked and finite
         self.steplog = StepLog(self.out, ctx.is_main)
         self.trackers = Trackers([], {})  # rank 0's, once the run knows where it starts
@@ -102,11 +103,13 @@ class Trainer:
         return WeightAverage(unwrap(self.model), decay, cfg.ema_steps, schedule.warmup_steps)
 
     # --- the run
-    def fit(self) -> dict[str, Any]:
+    def fit(self) -> RunSummary:
+        """The run trained: its last epoch's row, with the step breakdown of a finished run
+        or where a preempted one stopped. Ctrl-C raises Interrupted with where it was."""
         self.start()
         last = self.state.history[-1] if self.state.history else {}
         if not self.work_left():
-            return last
+            return RunSummary(last_epoch=last)
         if self.ctx.is_main:  # each epoch once, even if the interrupted run wrote one more
             write_metrics_history(self.out / "metrics.jsonl", self.state.history)
         self.steplog.start(self.state.step)  # first: the trackers start from its rows
@@ -126,8 +129,8 @@ class Trainer:
             self.trackers.stop("failed")
             raise
         if self.preemption.agreed and self.state.epoch < self.cfg.epochs:
-            return {**last, **self.stop_record("preempted")}
-        return {**last, "step_breakdown": self.breakdown} if self.breakdown else last
+            return RunSummary(last_epoch=last, stop=self.stop_record("preempted"))
+        return RunSummary(last_epoch=last, step_breakdown=self.breakdown or None)
 
     def start(self) -> None:
         """Where the run starts: a checkpoint (--resume), --init-from's weights, or fresh."""
@@ -155,7 +158,7 @@ class Trainer:
     def checkpoint_saved(self, step: int) -> None:
         self.trackers.checkpoint_saved(step)
 
-    def finish_trackers(self, summary: dict[str, Any]) -> None:
+    def finish_trackers(self, summary: RunSummary) -> None:
         """After summary.json: the run's curves, summary and (--tracker-checkpoints) best.pt
         as artifacts, and each tracker's run ended."""
         if not self.trackers.couriers:
@@ -169,7 +172,7 @@ class Trainer:
             files.insert(0, self.out / CURVES_FILE)
         if self.cfg.tracker_checkpoints:
             files.append(self.out / "checkpoints" / "best.pt")
-        self.trackers.finish(files, "stopped" if summary.get("stopped") else "finished")
+        self.trackers.finish(files, "stopped" if summary.stop is not None else "finished")
 
     def announce(self) -> None:
         announce_run(self.cfg, self.ctx, self.schedule, self.data, self.model, self.ema)
@@ -206,7 +209,7 @@ class Trainer:
             ui.warn(f"nothing to train: {reason}")
         return False
 
-    def stop_record(self, reason: str) -> dict[str, Any]:
+    def stop_record(self, reason: str, preempt_signal: str | None = None) -> StopRecord:
         state = self.state
         return stop_record(
             reason,
@@ -215,6 +218,7 @@ class Trainer:
             self.checkpoints.saved_step,
             self.schedule.steps_per_epoch,
             self.out,
+            preempt_signal,
         )
 
     def record_termination(self) -> None:
@@ -222,8 +226,8 @@ class Trainer:
         leaves where the run stopped, for the launcher's one line."""
         if not self.ctx.is_main:
             return
-        record = {**self.stop_record("terminated"), "preempt_signal": self.preemption.signal_name}
-        write_text_atomic(self.out / SUMMARY_FILE, ui.json_text(record) + "\n")
+        record = self.stop_record("terminated", self.preemption.signal_name)
+        write_text_atomic(self.out / SUMMARY_FILE, ui.json_text(record.to_dict()) + "\n")
 
     # --- an epoch
     def run_epoch(self, progress: ui.TrainProgress) -> dict[str, Any]:

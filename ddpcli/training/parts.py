@@ -10,29 +10,29 @@ from typing import Any
 import torch
 from torch import nn
 
-from ddpcli.config import TrainConfig
+from ddpcli.config.plan import RunPlan
 from ddpcli.dist import DistContext
 from ddpcli.models.build import build_model
 from ddpcli.training.param_groups import weight_decay_groups
-from ddpcli.training.strategy import AUTOCAST_DTYPES, wrap_model
+from ddpcli.training.strategy import AUTOCAST_DTYPES, ParallelModel, parallelize
 from ddpcli.training.syncbn import convert_sync_batchnorm
 
 
-def build_parallel_model(cfg: TrainConfig, ctx: DistContext, num_classes: int) -> nn.Module:
+def build_parallel_model(cfg: RunPlan, ctx: DistContext, num_classes: int) -> ParallelModel:
     torch.manual_seed(cfg.seed)  # identical initial weights everywhere (DDP also broadcasts)
-    model = build_model(cfg.resolved_arch, num_classes, cfg.model_args).to(ctx.device)
+    model = build_model(cfg.arch, num_classes, cfg.model_args).to(ctx.device)
     if cfg.sync_bn and ctx.distributed:
         model = convert_sync_batchnorm(model, ctx.device)
     if ctx.device.type == "cuda":
         model = model.to(memory_format=torch.channels_last)
-    return wrap_model(model, cfg, ctx)
+    return parallelize(model, cfg, ctx)
 
 
-def build_optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
+def build_optimizer(cfg: RunPlan, model: nn.Module) -> torch.optim.Optimizer:
     """SGD or AdamW at the run's peak rate: --lr scaled to the global batch (`peak_lr`)."""
     # No weight decay on biases, and on norms only --norm-weight-decay: the BN-net recipe.
-    groups = weight_decay_groups(model, cfg.resolved_weight_decay, cfg.norm_weight_decay)
-    lr = cfg.resolved_peak_lr
+    groups = weight_decay_groups(model, cfg.weight_decay, cfg.norm_weight_decay)
+    lr = cfg.peak_lr
     # One fused kernel for the whole update, on GPUs and on the CPU alike: on the CPU
     # foreach is the slowest choice (measured in docs/performance.md).
     try:
@@ -42,15 +42,15 @@ def build_optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer
 
 
 def make_optimizer(
-    cfg: TrainConfig, groups: list[dict[str, Any]], lr: float, **fused: bool
+    cfg: RunPlan, groups: list[dict[str, Any]], lr: float, **fused: bool
 ) -> torch.optim.Optimizer:
     if cfg.optimizer == "adamw":
         betas = cfg.betas or [0.9, 0.999]
         return torch.optim.AdamW(groups, lr=lr, betas=(betas[0], betas[1]), **fused)
-    return torch.optim.SGD(groups, lr=lr, momentum=cfg.resolved_momentum, nesterov=True, **fused)
+    return torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum or 0.0, nesterov=True, **fused)
 
 
-def autocast_context(cfg: TrainConfig, ctx: DistContext) -> AbstractContextManager[object]:
+def autocast_context(cfg: RunPlan, ctx: DistContext) -> AbstractContextManager[object]:
     dtype = AUTOCAST_DTYPES.get(cfg.precision)
     if dtype is None:
         return contextlib.nullcontext()

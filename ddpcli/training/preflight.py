@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ddpcli.config import TrainConfig
+from ddpcli.config.plan import RunPlan
 from ddpcli.errors import usage_error
 from ddpcli.factories import is_factory_spec, timm_model_name
 
@@ -22,8 +22,8 @@ BUILTIN_CLASSES = {"synthetic": 10, "stl10": 10}
 UNUSED_NAMED = 4  # parameters named in the message; the count says how many more
 
 
-def needs_preflight(cfg: TrainConfig) -> bool:
-    arch = cfg.resolved_arch
+def needs_preflight(cfg: RunPlan) -> bool:
+    arch = cfg.arch
     return bool(
         is_factory_spec(arch)
         or timm_model_name(arch) is not None
@@ -33,7 +33,7 @@ def needs_preflight(cfg: TrainConfig) -> bool:
     )
 
 
-def class_count(cfg: TrainConfig) -> int:
+def class_count(cfg: RunPlan) -> int:
     """The classes of the data set the run trains on: the model's output width."""
     if cfg.custom_dataset:
         from ddpcli.data.custom import custom_splits
@@ -43,10 +43,10 @@ def class_count(cfg: TrainConfig) -> int:
         return BUILTIN_CLASSES[cfg.dataset]
     from ddpcli.data.layout import check_imagefolder
 
-    return len(check_imagefolder(cfg.resolved_data_dir))
+    return len(check_imagefolder(cfg.data_folder))
 
 
-def preflight(cfg: TrainConfig) -> dict[str, Any]:
+def preflight(cfg: RunPlan) -> dict[str, Any]:
     """What --dry-run shows of the model (class, parameters), or {} when nothing to check."""
     if not needs_preflight(cfg):
         return {}
@@ -57,17 +57,17 @@ def preflight(cfg: TrainConfig) -> dict[str, Any]:
     num_classes = class_count(cfg)
     torch.manual_seed(cfg.seed)
     with torch.device("cpu"):
-        model = build_model(cfg.resolved_arch, num_classes, cfg.model_args)
+        model = build_model(cfg.arch, num_classes, cfg.model_args)
     built: dict[str, Any] = {}
     if cfg.init_from is not None:  # a shape that does not fit: exit 2 now, not on every rank
         from ddpcli.checkpoint.init import load_initial_weights
 
         report = load_initial_weights(model, cfg.init_from, num_classes, cfg.reset_head)
         built["initial_weights"] = report.summary()
-    check_model_output(model, cfg.resolved_arch, num_classes, cfg.resolved_image_size)
-    check_trainable(model, cfg.resolved_arch)
+    check_model_output(model, cfg.arch, num_classes, cfg.image_size)
+    check_trainable(model, cfg.arch)
     if cfg.strategy == "ddp" and not cfg.find_unused_parameters:
-        check_every_parameter_used(model, cfg.resolved_arch, num_classes, cfg.resolved_image_size)
+        check_every_parameter_used(model, cfg.arch, num_classes, cfg.image_size)
     kind = type(model)
     built.update(
         model_class=f"{kind.__module__}.{kind.__qualname__}",

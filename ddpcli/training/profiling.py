@@ -29,7 +29,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from ddpcli import ui
-from ddpcli.config import TrainConfig
+from ddpcli.config.plan import RunPlan
 from ddpcli.dist import DistContext
 
 if TYPE_CHECKING:
@@ -46,7 +46,7 @@ def trace_path(out: Path, steps: tuple[int, int], rank: int, host: str) -> Path:
 
 
 def step_profiler(
-    cfg: TrainConfig, ctx: DistContext, first_step: int, total_steps: int
+    cfg: RunPlan, ctx: DistContext, first_step: int, total_steps: int
 ) -> StepProfiler | None:
     """The profiler of --profile-steps, for a run that starts after FIRST_STEP and ends at
     TOTAL_STEPS (or --max-steps); None when the flag is off. Rank 0 says when the run cuts
@@ -57,7 +57,7 @@ def step_profiler(
     last_step = min(total_steps, cfg.max_steps or total_steps)
     if ctx.is_main and (note := window_note(window, first_step, last_step)):
         ui.warn(f"--profile-steps {cfg.profile_steps}: {note}")
-    return StepProfiler((window[0], min(window[1], last_step)), first_step, cfg.resolved_out, ctx)
+    return StepProfiler((window[0], min(window[1], last_step)), first_step, cfg.out, ctx)
 
 
 def window_note(window: tuple[int, int], first_step: int, last_step: int) -> str:

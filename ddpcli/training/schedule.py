@@ -15,8 +15,8 @@ from collections.abc import Callable
 import torch
 
 from ddpcli.checkpoint.schema import TrainState
-from ddpcli.config import TrainConfig
-from ddpcli.data.pipeline import DataPipeline
+from ddpcli.config.plan import RunPlan
+from ddpcli.data.pipeline import DataPath
 from ddpcli.data.resharding import samples_trained
 
 
@@ -44,7 +44,7 @@ def use_peak_lr(scheduler: torch.optim.lr_scheduler.LambdaLR, peak_lr: float) ->
 class Schedule:
     """The run's steps at this world: fixed once the data is dealt."""
 
-    def __init__(self, cfg: TrainConfig, world_size: int, data: DataPipeline) -> None:
+    def __init__(self, cfg: RunPlan, world_size: int, data: DataPath) -> None:
         self.cfg, self.world_size, self.data = cfg, world_size, data
         self.micro_total = data.steps_per_epoch()  # micro-batches per epoch on each rank
         self.steps_per_epoch = math.ceil(self.micro_total / cfg.accumulate)
@@ -71,7 +71,7 @@ class Schedule:
         wins either way."""
         if saved_batch != self.global_batch:
             scheduler.last_epoch = self.steps_to(state)
-        use_peak_lr(scheduler, self.cfg.resolved_peak_lr)
+        use_peak_lr(scheduler, self.cfg.peak_lr)
 
     def steps_to(self, state: TrainState) -> int:
         """The optimizer steps this run's global batch takes to where STATE's epoch stands,

@@ -31,6 +31,7 @@ import torch
 
 from ddpcli.dist import DistContext, all_reduce_max
 from ddpcli.errors import RUNTIME, STOPPED_FOR_PEER, debug_requested
+from ddpcli.outputs.summary import StopRecord
 from ddpcli.process import end_quietly, record_for_agent
 from ddpcli.stacks import main_thread_now, place_in_words
 
@@ -39,9 +40,6 @@ from ddpcli.stacks import main_thread_now, place_in_words
 # here): print where, before the agent's SIGKILL (30 s) ends it.
 STUCK_AFTER_S = 20.0
 
-# Rank 0's record of a run that stopped early, which the launcher reads (and the summary of
-# a finished one).
-SUMMARY_FILE = "summary.json"
 # A rank ended by SIGTERM, as a shell reports it (128 + 15).
 TERMINATED = 128 + signal.SIGTERM
 
@@ -49,7 +47,7 @@ TERMINATED = 128 + signal.SIGTERM
 class Interrupted(KeyboardInterrupt):
     """Ctrl-C inside the training loop, with where the run was (`stop_record`)."""
 
-    def __init__(self, record: dict[str, Any]) -> None:
+    def __init__(self, record: StopRecord) -> None:
         super().__init__("interrupted")
         self.record = record
 
@@ -61,23 +59,19 @@ def stop_record(
     checkpoint_step: int | None,
     steps_per_epoch: int,
     out: Path,
-) -> dict[str, Any]:
+    preempt_signal: str | None = None,
+) -> StopRecord:
     """What the launcher needs to say where a run stopped and what a resume starts from;
-    EPOCH is 1-based, the one the run was in."""
+    EPOCH is 1-based, the one the run was in. PREEMPT_SIGNAL: named for a termination."""
     last = out / "checkpoints" / "last.pt"
-    record: dict[str, Any] = {
-        "stopped": reason,
-        "stopped_epoch": epoch,
-        "stopped_step": step,
-        "out": str(out),
-    }
+    saved, where = None, None
     if checkpoint_step is not None:
         epochs, into = divmod(checkpoint_step, max(1, steps_per_epoch))
         where = f"epoch {epochs}" if into == 0 else f"step {checkpoint_step}, in epoch {epochs + 1}"
-        record.update(last_checkpoint=str(last), checkpoint_at=where)
+        saved = str(last)
     elif last.exists():
-        record.update(last_checkpoint=str(last))
-    return record
+        saved = str(last)
+    return StopRecord(reason, epoch, step, str(out), saved, where, preempt_signal)
 
 
 class Preemption:

@@ -14,15 +14,16 @@ The legacy modes exist so that a user can measure why DDP is the default.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel, comm
 
-from ddpcli.config import TrainConfig
+from ddpcli.config.plan import RunPlan
 from ddpcli.dist import DistContext
-from ddpcli.training.compression import register_compression
+from ddpcli.training.compression import PowerSGD, register_compression
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # fp32: no autocast
 
@@ -153,11 +154,20 @@ class BalancedDataParallel(PrecisionDataParallel):
         return tuple((piece,) for piece in pieces), tuple({} for _ in pieces)
 
 
-def wrap_model(model: nn.Module, cfg: TrainConfig, ctx: DistContext) -> nn.Module:
+@dataclass
+class ParallelModel:
+    """The model as the strategy wrapped it, and the state its gradient hook keeps between
+    steps (PowerSGD's, for the checkpoint; None without one): its owner holds both."""
+
+    model: nn.Module
+    compression: PowerSGD | None = None
+
+
+def parallelize(model: nn.Module, cfg: RunPlan, ctx: DistContext) -> ParallelModel:
     """The model on ctx.device, wrapped for the configured strategy."""
     if cfg.strategy == "ddp":
         if not ctx.distributed:
-            return model
+            return ParallelModel(model)
         ddp = DistributedDataParallel(
             model,
             device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
@@ -166,8 +176,7 @@ def wrap_model(model: nn.Module, cfg: TrainConfig, ctx: DistContext) -> nn.Modul
             find_unused_parameters=cfg.find_unused_parameters,
             static_graph=cfg.static_graph,
         )
-        register_compression(ddp, cfg)
-        return ddp
+        return ParallelModel(ddp, register_compression(ddp, cfg))
     device_ids = list(range(torch.cuda.device_count()))
     autocast = (
         (ctx.device.type, AUTOCAST_DTYPES[cfg.precision])
@@ -176,9 +185,15 @@ def wrap_model(model: nn.Module, cfg: TrainConfig, ctx: DistContext) -> nn.Modul
     )
     channels_last = ctx.device.type == "cuda"  # as build_parallel_model lays the model out
     if cfg.strategy == "dp":
-        return PrecisionDataParallel(model, device_ids, autocast, channels_last)
+        return ParallelModel(PrecisionDataParallel(model, device_ids, autocast, channels_last))
     gpu0_batch = require_gpu0_batch(cfg.gpu0_batch)
-    return BalancedDataParallel(gpu0_batch, model, device_ids, autocast, channels_last)
+    balanced = BalancedDataParallel(gpu0_batch, model, device_ids, autocast, channels_last)
+    return ParallelModel(balanced)
+
+
+def wrap_model(model: nn.Module, cfg: RunPlan, ctx: DistContext) -> nn.Module:
+    """The wrapped model alone, for code that never checkpoints its hook's state."""
+    return parallelize(model, cfg, ctx).model
 
 
 def unwrap(model: nn.Module) -> nn.Module:

@@ -10,8 +10,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ddpcli.config import TrainConfig
-from ddpcli.data.pipeline import DataPipeline
+from ddpcli.config.plan import RunPlan
+from ddpcli.data.pipeline import DataPath
 from ddpcli.dist import DistContext, all_reduce_sum
 from ddpcli.training.ema import WeightAverage
 from ddpcli.training.parts import autocast_context
@@ -25,9 +25,9 @@ class Validation:
 
     def __init__(
         self,
-        cfg: TrainConfig,
+        cfg: RunPlan,
         ctx: DistContext,
-        data: DataPipeline,
+        data: DataPath,
         not_finite: Callable[[str], Exception],
     ) -> None:
         self.cfg, self.ctx, self.data = cfg, ctx, data

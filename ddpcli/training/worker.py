@@ -7,22 +7,22 @@ in-process when torchrun (or SLURM) already made this process a rank.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import faulthandler
 import signal
 import sys
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import NoReturn
 
 import torch
 import torch._dynamo  # noqa: F401 - DDP's constructor imports it: once, in the launcher, if forked
 
 from ddpcli import ui
-from ddpcli.checkpoint.schema import resized_for_resume
-from ddpcli.config import TrainConfig
+from ddpcli.config.plan import RunPlan
 from ddpcli.data.custom import custom_splits
 from ddpcli.data.pipeline import DataPipeline
 from ddpcli.data.sets import SKIPPED_IMAGES_FILE, load_splits
-from ddpcli.dist import DistContext, all_reduce_max, init_distributed, shutdown
+from ddpcli.dist import DistContext, init_distributed, shutdown
 from ddpcli.environments import LauncherEnv, read_launcher_env
 from ddpcli.errors import (
     INTERRUPTED,
@@ -39,6 +39,7 @@ from ddpcli.errors import (
 )
 from ddpcli.files import write_text_atomic
 from ddpcli.machine import cpu_count
+from ddpcli.outputs.summary import SUMMARY_FILE, RunFiles, RunSummary, SkippedImages
 from ddpcli.process import (
     collect_then_freeze,
     die_with_parent,
@@ -52,14 +53,8 @@ from ddpcli.process import (
 from ddpcli.records import AGREED_STOP_FILE, LATER_ROUND_FILE, PEER_FAILED_FILE
 from ddpcli.stacks import stack_output
 from ddpcli.training.loop import Trainer
-from ddpcli.training.precision import (
-    auto_cpu_precision,
-    auto_gpu_precision,
-    gpu_capability,
-    native_cpu_bf16,
-)
+from ddpcli.training.settle import agreed_resume, settle_rank
 from ddpcli.training.stopping import (
-    SUMMARY_FILE,
     Interrupted,
     note_failed_peers,
     note_interrupts,
@@ -67,25 +62,10 @@ from ddpcli.training.stopping import (
     was_interrupted,
 )
 
-
-def finalize_for_device(cfg: TrainConfig, ctx: DistContext) -> TrainConfig:
-    """The settings only a worker can resolve: they depend on the device it was given."""
-    # The rate for the world this worker joined: under torchrun it may not be the one that
-    # --nproc/--gpus describe.
-    updates: dict[str, Any] = {"backend": ctx.backend, "peak_lr": cfg.peak_lr_at(ctx.world_size)}
-    if cfg.precision == "auto" and ctx.device.type == "cuda":
-        choice = auto_gpu_precision(gpu_capability(ctx.device))
-        updates["precision"], updates["precision_reason"] = choice
-    elif cfg.precision == "auto":  # a CPU that the launcher took for a GPU machine
-        choice = auto_cpu_precision(cfg.resolved_arch, native_cpu_bf16())
-        updates["precision"], updates["precision_reason"] = choice
-    return cfg.model_copy(update=updates)
-
-
 DEVICE_DATA_FRACTION = 0.25  # of free device memory the uint8 set may take under `auto`
 
 
-def keep_data_on_device(cfg: TrainConfig, ctx: DistContext) -> bool:
+def keep_data_on_device(cfg: RunPlan, ctx: DistContext) -> bool:
     """True: the data set lives in device memory (`--data-path device`). `auto` does so for
     the synthetic set and STL-10 when they take at most DEVICE_DATA_FRACTION of the
     device's free memory; image folders stream through the loader unless `--data-path
@@ -98,10 +78,10 @@ def keep_data_on_device(cfg: TrainConfig, ctx: DistContext) -> bool:
         return True
     free, _ = torch.cuda.mem_get_info(ctx.device)
     images = cfg.synthetic_size * 1.25 if cfg.dataset == "synthetic" else 13_000  # train + val
-    return images * 3 * cfg.resolved_image_size**2 < DEVICE_DATA_FRACTION * free
+    return images * 3 * cfg.image_size**2 < DEVICE_DATA_FRACTION * free
 
 
-def run_worker(cfg: TrainConfig, env: LauncherEnv, later_round: bool = False) -> dict[str, Any]:
+def run_worker(cfg: RunPlan, env: LauncherEnv, later_round: bool = False) -> RunSummary:
     torch.set_num_threads(max(1, cpu_count() // max(1, env.local_world_size)))
     keep_freed_memory()
     ctx = init_distributed(
@@ -111,9 +91,9 @@ def run_worker(cfg: TrainConfig, env: LauncherEnv, later_round: bool = False) ->
         init_method=cfg.init_method,
         timeout_s=cfg.timeout,
     )
-    cfg = continue_a_later_round(cfg, env, ctx, later_round)
+    resume = agreed_resume(cfg, env, ctx, later_round)
     try:
-        summary = train_and_summarise(cfg, ctx)
+        summary = train_and_summarise(cfg, ctx, resume)
     except (KeyboardInterrupt, SystemExit):
         shutdown()  # Ctrl-C reaches every rank: they all leave here together
         raise
@@ -126,10 +106,8 @@ def run_worker(cfg: TrainConfig, env: LauncherEnv, later_round: bool = False) ->
     return summary
 
 
-def train_and_summarise(cfg: TrainConfig, ctx: DistContext) -> dict[str, Any]:
-    # Before the rate is resolved: a resume at another world may change the accumulation.
-    cfg = finalize_for_device(resized_for_resume(cfg, ctx.world_size), ctx)
-    out = cfg.resolved_out
+def train_and_summarise(cfg: RunPlan, ctx: DistContext, resume: str | None) -> RunSummary:
+    out = cfg.out
     device_resident = keep_data_on_device(cfg, ctx)
     splits = custom_splits(cfg) if cfg.custom_dataset else load_splits(cfg, ctx, device_resident)
     if ctx.is_main:  # a list an earlier run in this folder left would mislead
@@ -138,28 +116,21 @@ def train_and_summarise(cfg: TrainConfig, ctx: DistContext) -> dict[str, Any]:
         if splits.skipped:
             skipped_file.write_text("\n".join(splits.skipped) + "\n")
     pipeline = DataPipeline(splits, cfg, ctx, device_resident)
-    # An epoch shorter than --accumulate makes smaller steps: the rate follows them.
-    cfg = cfg.model_copy(
-        update={"peak_lr": cfg.peak_lr_at(ctx.world_size, pipeline.steps_per_epoch())}
-    )
+    cfg = settle_rank(cfg, ctx, resume, pipeline.steps_per_epoch())
     if ctx.is_main:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text(cfg.model_dump_json(indent=2) + "\n")
     trainer = Trainer(cfg, ctx, pipeline)
-    last = trainer.fit()
+    trained = trainer.fit()
     pipeline.close()
-    summary = {
-        **last,
-        "out": str(out),
-        "metrics": str(out / "metrics.jsonl"),
-        "config": str(out / "config.json"),
-        "last_checkpoint": str(out / "checkpoints" / "last.pt"),
-        "best_checkpoint": str(out / "checkpoints" / "best.pt"),
-        **skipped_summary(cfg, splits.skipped, out),
-    }
+    summary = dataclasses.replace(
+        trained,
+        files=RunFiles.in_folder(out),
+        skipped=skipped_images(cfg, splits.skipped, out),
+        trackers=trainer.trackers.rows_report().get("trackers") if ctx.is_main else None,
+    )
     if ctx.is_main:
-        summary.update(trainer.trackers.rows_report())
-        (out / SUMMARY_FILE).write_text(ui.json_text(summary, indent=2) + "\n")
+        (out / SUMMARY_FILE).write_text(ui.json_text(summary.to_dict(), indent=2) + "\n")
         trainer.finish_trackers(summary)
     return summary
 
@@ -167,15 +138,13 @@ def train_and_summarise(cfg: TrainConfig, ctx: DistContext) -> dict[str, Any]:
 SKIPPED_NAMED = 10  # in summary.json; the file in --out lists every one
 
 
-def skipped_summary(cfg: TrainConfig, skipped: list[str], out: Path) -> dict[str, Any]:
+def skipped_images(cfg: RunPlan, skipped: list[str], out: Path) -> SkippedImages | None:
     """With --skip-bad-images: how many files were left out, the first few, and the list."""
     if not cfg.skip_bad_images:
-        return {}
-    summary: dict[str, Any] = {"skipped_images": len(skipped)}
-    if skipped:
-        summary["skipped_images_first"] = skipped[:SKIPPED_NAMED]
-        summary["skipped_images_file"] = str(out / SKIPPED_IMAGES_FILE)
-    return summary
+        return None
+    if not skipped:
+        return SkippedImages(0)
+    return SkippedImages(len(skipped), skipped[:SKIPPED_NAMED], str(out / SKIPPED_IMAGES_FILE))
 
 
 def remove_init_file(init_method: str | None) -> None:
@@ -184,29 +153,12 @@ def remove_init_file(init_method: str | None) -> None:
         Path(init_method.removeprefix("file://")).unlink(missing_ok=True)
 
 
-def end_interrupted(stop: BaseException | None, env: LauncherEnv, cfg: TrainConfig) -> None:
+def end_interrupted(stop: BaseException | None, env: LauncherEnv, cfg: RunPlan) -> None:
     """Ctrl-C: the launcher says it once for the job, from what rank 0 leaves in --out."""
     if env.rank == 0 and isinstance(stop, Interrupted):
         with contextlib.suppress(OSError):
-            (cfg.resolved_out / SUMMARY_FILE).write_text(ui.json_text(stop.record) + "\n")
+            (cfg.out / SUMMARY_FILE).write_text(ui.json_text(stop.record.to_dict()) + "\n")
     end_quietly(INTERRUPTED)
-
-
-def continue_a_later_round(
-    cfg: TrainConfig, env: LauncherEnv, ctx: DistContext, later_round: bool
-) -> TrainConfig:
-    """Workers the agents started again (after a failure, or because hosts joined or left
-    an elastic job: LATER_ROUND) continue from the last checkpoint, as --resume auto.
-    Agreed: the workers of a host that has just joined start their agent's first round."""
-    if cfg.resume is not None:
-        return cfg
-    mine = float(env.restart_count > 0 or later_round)
-    if not all_reduce_max(torch.tensor([mine], device=ctx.device), ctx).item():
-        return cfg
-    if env.rank == 0:
-        why = f"restart {env.restart_count}" if env.restart_count else "a new round of the job"
-        ui.warn(f"{why}: resuming from the last checkpoint")
-    return cfg.model_copy(update={"resume": "auto"})
 
 
 @recorded
@@ -220,7 +172,7 @@ def main(argv: list[str]) -> None:
     faulthandler.register(signal.SIGTERM, file=stacks, all_threads=True, chain=True)
     note_interrupts()
     note_failed_peers(Path(argv[1]).with_name(PEER_FAILED_FILE))
-    cfg = TrainConfig.model_validate_json(Path(argv[1]).read_text())
+    cfg = RunPlan.model_validate_json(Path(argv[1]).read_text())
     env = read_launcher_env()
     if env is None:
         exit_with_error("no launcher set RANK and WORLD_SIZE: run `ddpcli train`", USAGE)

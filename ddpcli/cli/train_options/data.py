@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Annotated
 
 from ddpcli.cli.train_options import train_option
+from ddpcli.config.data import BUFFER_BOUNDS, BUFFER_MEMORY_FRACTION
 
 PANEL = "Data"
 
@@ -69,7 +70,8 @@ ShuffleBuffer = Annotated[
     train_option(
         "shuffle_buffer",
         panel=PANEL,
-        default="from the node's memory (1/8 of it over its streams, 64 to 10000 samples)",
+        default=f"from the node's memory (1/{round(1 / BUFFER_MEMORY_FRACTION)} of it over its "
+        f"streams, {BUFFER_BOUNDS[0]} to {BUFFER_BOUNDS[1]} samples)",
     ),
 ]
 

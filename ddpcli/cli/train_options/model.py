@@ -8,14 +8,17 @@ from typing import Annotated
 
 from ddpcli.cli.options import option
 from ddpcli.cli.train_options import train_option
+from ddpcli.config.train import ADAMW_LR, BUILTIN_NET_LR, OPTIMIZER_DEFAULTS, REFERENCE_LR
+from ddpcli.models.archs import BUILTIN_ARCHS
 
 PANEL = "Model and optimisation"
+SGD, ADAMW = OPTIMIZER_DEFAULTS["sgd"], OPTIMIZER_DEFAULTS["adamw"]
 
 Arch = Annotated[
     str | None,
     train_option(
         "arch",
-        "torchvision model name, smallcnn/tinycnn, timm:NAME (needs timm), or your own "
+        f"torchvision model name, {'/'.join(BUILTIN_ARCHS)}, timm:NAME (needs timm), or your own "
         "model: pkg.module:factory, pkg.module.factory or path/to/file.py:factory, called "
         "with num_classes= and the --model-arg keywords (docs/custom.md).",
         PANEL,
@@ -63,7 +66,8 @@ Lr = Annotated[
         "lr",
         "Peak learning rate for a global batch of --lr-base-batch images.",
         PANEL,
-        default="sgd 0.1 (0.2 for smallcnn/tinycnn); adamw 0.001",
+        default=f"sgd {REFERENCE_LR:g} ({BUILTIN_NET_LR:g} for {'/'.join(BUILTIN_ARCHS)}); "
+        f"adamw {ADAMW_LR}",
     ),
 ]
 
@@ -78,7 +82,7 @@ LrScaling = Annotated[
         "How --lr follows the global batch (per-gpu-batch x world x accumulate): linear "
         "multiplies it by global/base, sqrt by the square root of that; none: --lr as given.",
         PANEL,
-        default="linear for sgd, sqrt for adamw",
+        default=f"{SGD['lr_scaling']} for sgd, {ADAMW['lr_scaling']} for adamw",
     ),
 ]
 
@@ -93,18 +97,26 @@ Optimizer = Annotated[
 ]
 
 Momentum = Annotated[
-    float | None, train_option("momentum", "SGD's.", PANEL, default="0.9 with sgd")
+    float | None, train_option("momentum", "SGD's.", PANEL, default=f"{SGD['momentum']} with sgd")
 ]
 
 Betas = Annotated[
     str | None,
-    train_option("betas", "AdamW's, as B1,B2.", PANEL, default="0.9,0.999 with adamw"),
+    train_option(
+        "betas",
+        "AdamW's, as B1,B2.",
+        PANEL,
+        default=f"{','.join(map(str, ADAMW['betas']))} with adamw",
+    ),
 ]
 
 WeightDecay = Annotated[
     float | None,
     train_option(
-        "weight_decay", "Not on norms and biases.", PANEL, default="0.0005 sgd, 0.05 adamw"
+        "weight_decay",
+        "Not on norms and biases.",
+        PANEL,
+        default=f"{SGD['weight_decay']} sgd, {ADAMW['weight_decay']} adamw",
     ),
 ]
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Annotated
 
 from ddpcli.cli.train_options import train_option
+from ddpcli.environments.world import DEFAULT_MASTER_PORT
 
 PANEL = "Multi-node"
 
@@ -25,7 +26,9 @@ MasterAddr = Annotated[str | None, train_option("master_addr", panel=PANEL)]
 
 MasterPort = Annotated[
     int | None,
-    train_option("master_port", panel=PANEL, default="a free port; 29500 on several nodes"),
+    train_option(
+        "master_port", panel=PANEL, default=f"a free port; {DEFAULT_MASTER_PORT} on several nodes"
+    ),
 ]
 
 RdzvBackend = Annotated[

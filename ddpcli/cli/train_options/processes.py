@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Annotated
 
 from ddpcli.cli.train_options import train_option
+from ddpcli.config.train import POWERSGD_DEFAULT_RANK
 
 PANEL = "Processes and devices"
 
@@ -59,7 +60,8 @@ GradCompression = Annotated[
     train_option(
         "grad_compression",
         "What DDP all-reduces: fp32 gradients (none), fp16 or bf16 casts (half the bytes), or "
-        "PowerSGD's rank-RANK factors with error feedback (powersgd: rank 4).",
+        f"PowerSGD's rank-RANK factors with error feedback (powersgd: rank "
+        f"{POWERSGD_DEFAULT_RANK}).",
         PANEL,
         metavar="none|fp16|bf16|powersgd[:RANK]",
     ),

@@ -26,6 +26,7 @@ from typing import Any, cast
 
 import torch
 
+from ddpcli.config.data import BUFFER_BOUNDS, BUFFER_MEMORY_FRACTION
 from ddpcli.data.loader import FolderDataset, die_with_rank, tmpdir_too_long
 from ddpcli.data.resharding import LEAST_BATCH, remaining_batch_sizes, remaining_steps
 from ddpcli.data.shards.checks import check_resumed_index
@@ -49,11 +50,6 @@ from ddpcli.dist import DistContext, all_gather_object, all_reduce_max
 from ddpcli.errors import runtime_error
 from ddpcli.process import multiprocessing_sockets_fit
 from ddpcli.ui import byte_size
-
-# The default shuffle buffer: this fraction of the node's available memory, shared by its
-# streams (ranks x workers), in samples of the index's mean size, within these bounds.
-BUFFER_MEMORY_FRACTION = 1 / 8
-BUFFER_BOUNDS = (64, 10_000)
 
 
 class MemberImages(FolderDataset):

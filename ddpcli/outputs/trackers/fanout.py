@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ddpcli import ui
-from ddpcli.config import TrainConfig
+from ddpcli.config.plan import RunPlan
 from ddpcli.errors import first_line
 from ddpcli.outputs.steplog import STEPS_FILE, read_rows
 from ddpcli.outputs.trackers.base import Ending, Opening, RowKind, Tracker, flat_params
@@ -52,15 +52,15 @@ class Op:
     done: threading.Event = field(default_factory=threading.Event)
 
 
-def run_opening(cfg: TrainConfig, ctx: DistContext, resume_step: int) -> Opening:
+def run_opening(cfg: RunPlan, ctx: DistContext, resume_step: int) -> Opening:
     """What the trackers are told at the start: the names, the flat config.json, the
     system's facts, and the rows the run folder's files hold (rewound to RESUME_STEP)."""
-    out = cfg.resolved_out
+    out = cfg.out
     earlier: list[Row] = [("step", row) for row in read_rows(out / STEPS_FILE)]
     earlier += [("epoch", row) for row in read_rows(out / METRICS_FILE)]
     return Opening(
         out=out,
-        experiment=cfg.experiment or f"{cfg.resolved_arch}-{cfg.dataset}",
+        experiment=cfg.experiment or f"{cfg.arch}-{cfg.dataset}",
         run_name=cfg.run_name or out.resolve().name,
         tracking_uri=cfg.tracking_uri,
         params=flat_params(json.loads(cfg.model_dump_json())),

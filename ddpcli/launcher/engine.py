@@ -1,6 +1,9 @@
-"""Starting workers: adopt a launcher's environment, or start our own through
-torch.distributed.elastic (the engine behind torchrun), which brings rendezvous,
-restarts and per-rank error reports.
+"""The engine every command starts its workers on (`train`, `eval`, `bench-barrier`,
+`launch`): a WorkerJob run through torch.distributed.elastic (the engine behind torchrun),
+which brings rendezvous, restarts and per-rank error reports; the workers' environment;
+the roll call that gathers a static job's nodes first; a failed or stopped job in words.
+Each command's own launch builds its WorkerJob beside this module (`train_launch`,
+`script_launch`) or in its package (`ddpcli.evaluation.launch`, `ddpcli.barrier.run`).
 """
 
 from __future__ import annotations
@@ -13,28 +16,24 @@ import signal
 import socket
 import sys
 import tempfile
-import traceback
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ddpcli import ui
-from ddpcli.config import BarrierConfig, ScriptLaunchConfig, TrainConfig
-from ddpcli.config.data import WITH_CREDENTIALS
+from ddpcli.config import ScriptLaunchConfig, TrainConfig
 from ddpcli.config.eval import EvalConfig
-from ddpcli.environments import LauncherEnv, read_launcher_env
+from ddpcli.environments import LauncherEnv
 from ddpcli.environments.world import DEFAULT_MASTER_PORT
 from ddpcli.errors import (
     INTERRUPTED,
     RUNTIME,
     DdpcliError,
-    debug_requested,
     first_line,
     runtime_error,
     usage_error,
 )
-from ddpcli.launcher.failure_report import describe_failure, newest_run_log_dir
+from ddpcli.launcher.failure_report import describe_failure
 from ddpcli.launcher.fork import (
     fork_server,
     forks_workers,
@@ -43,7 +42,6 @@ from ddpcli.launcher.fork import (
 )
 from ddpcli.launcher.membership import advertised_address, c10d_settings
 from ddpcli.launcher.peer_failure import failed_workers_handled
-from ddpcli.launcher.resources import capacity_warnings
 from ddpcli.launcher.restarts import restarts_announced
 from ddpcli.launcher.rollcall import (
     MasterUnreachable,
@@ -55,9 +53,7 @@ from ddpcli.launcher.rollcall import (
     open_store,
 )
 from ddpcli.machine import cpu_count
-from ddpcli.outputs.runfolder import claim_run_folder
-from ddpcli.process import PARENT_PID_VARIABLE, freeze_imported_objects
-from ddpcli.records import AGREED_STOP_FILE, PEER_FAILED_FILE
+from ddpcli.process import PARENT_PID_VARIABLE
 from ddpcli.stacks import STACKS_FOLDER_VARIABLE
 
 if TYPE_CHECKING:  # torch is imported where a launch needs it, not with this module
@@ -65,84 +61,17 @@ if TYPE_CHECKING:  # torch is imported where a launch needs it, not with this mo
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig
 
-WORKER_MODULE = "ddpcli.training.worker"
-BARRIER_WORKER_MODULE = "ddpcli.barrier.worker"
-
-
-def launch_train(cfg: TrainConfig, debug: bool = False) -> dict[str, Any]:
-    """Run the training job and return rank 0's summary. The process on rank 0's side
-    then draws the run's curves, also after a failure or Ctrl-C: a picture of what happened
-    up to there, while it still holds the run folder."""
-    freeze_imported_objects()
-    launcher = read_launcher_env()
-    draws = launcher.rank == 0 if launcher is not None else cfg.node_rank == 0
-    with claim_run_folder(cfg, launcher):
-        try:
-            summary = start_training(cfg, launcher, debug)
-        except BaseException:
-            if draws:
-                draw_curves_after_stop(cfg.resolved_out)
-            raise
-        if draws and summary.get("stopped"):  # Ctrl-C or a preemption, said by the workers
-            draw_curves_after_stop(cfg.resolved_out)
-        elif draws and (picture := draw_curves(cfg.resolved_out)):
-            summary["curves"] = str(picture)
-        return summary
-
-
-def draw_curves(out: Path) -> Path | None:
-    """OUT/curves.png; a picture that cannot be drawn is a warning, never a failed run."""
-    from ddpcli.outputs.curves import write_run_curves
-
-    try:
-        return write_run_curves(out)
-    except Exception as error:  # the run itself is what counts: say so, go on
-        ui.warn(f"could not draw {out / 'curves.png'}: {type(error).__name__}: {error}")
-        return None
-
-
-def draw_curves_after_stop(out: Path) -> None:
-    picture = draw_curves(out)
-    if picture is not None:
-        ui.info(f"curves up to where the run stopped: {picture}")
-
-
-def start_training(cfg: TrainConfig, launcher: LauncherEnv | None, debug: bool) -> dict[str, Any]:
-    if launcher is None:
-        return _launch_elastic(cfg, debug)
-    if cfg.gpus and launcher.rank == 0:
-        ui.warn("--gpus is ignored under a launcher: each rank uses the GPU of its LOCAL_RANK")
-    if cfg.ifname:  # this process is the worker: set them before its group forms
-        os.environ["GLOO_SOCKET_IFNAME"] = os.environ["NCCL_SOCKET_IFNAME"] = cfg.ifname
-    if joining := launcher.joining(cfg.timeout, cfg.init_method):  # said before it waits
-        ui.info(joining)
-    return run_adopted_worker(cfg, launcher, debug)
-
-
-def run_adopted_worker(cfg: TrainConfig, launcher: LauncherEnv, debug: bool) -> dict[str, Any]:
-    """This process is a rank of the launcher's world. A failed rank reports and ends at
-    once, as our own workers do: its live process group is never torn down (that can wait
-    for the other ranks' watchdogs) nor left to the interpreter's exit (Gloo can abort)."""
-    from ddpcli.training.worker import exit_for_error, run_worker
-
-    try:
-        return run_worker(cfg, launcher)
-    except Exception as error:
-        if debug_requested(debug):
-            traceback.print_exc()
-        agreed = isinstance(error, DdpcliError) and error.every_rank
-        exit_for_error(error, launcher.rank, speaks=launcher.rank == 0 or not agreed)
-
 
 def early_fork_server(
-    cfg: TrainConfig | BarrierConfig, launcher: LauncherEnv | None
+    module: str, uses_gpus: bool, launcher: LauncherEnv | None
 ) -> contextlib.AbstractContextManager[Any]:
     """For a command whose launch will fork its workers (CPU ranks, no outside launcher):
-    the fork server, started once the flags are checked, so that it imports torch and the
-    worker while the launcher does too and forms the job. It stops when the command ends."""
-    if launcher is not None or not forks_workers(cfg.uses_gpus):  # as the job decides
+    the fork server of MODULE, started once the flags are checked, so that it imports torch
+    and the worker while the launcher does too and forms the job. It stops when the command
+    ends."""
+    if launcher is not None or not forks_workers(uses_gpus):  # as the job decides
         return contextlib.nullcontext()
-    return fork_server(WORKER_MODULE if isinstance(cfg, TrainConfig) else BARRIER_WORKER_MODULE)
+    return fork_server(module)
 
 
 def worker_environment(
@@ -162,6 +91,16 @@ def worker_environment(
         env["GLOO_SOCKET_IFNAME"] = ifname
         env["NCCL_SOCKET_IFNAME"] = ifname
     return env
+
+
+# Elastic lends its workers one store for every round of its rendezvous, and where rounds
+# follow each other it fails them: restarted Gloo ranks read the last round's addresses
+# under the same keys and fail to connect or hang (pytorch#135712; torchrun too), an agent
+# that restarts for a membership change counts no restart, so a per-restart prefix can
+# differ between hosts, and a host that joins a running job waits for good for an address
+# the first host published only in the first round. This opts out: every round's rank 0
+# worker hosts a store of its own, at an address the rendezvous hands out anew.
+STORE_PER_ROUND = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
 @dataclass
@@ -515,25 +454,8 @@ def check_same_settings(roll: RollCall, node_rank: int) -> None:
     raise runtime_error(verdict)
 
 
-# Settings each node may give its own way: its files, its devices and network interface,
-# how it reaches node 0, how long it waits. Everything else in the resolved configuration
-# changes the job (its world, its arithmetic, when its ranks meet) and must agree.
-PER_NODE_SETTINGS = frozenset({
-    "node_rank", "gpus", "data_dir", "data_path", "workers", "download", "out", "resume",
-    "log_dir", "trace_samples", "ifname", "master_addr", "master_port", "init_method", "timeout",
-    "world_from", "precision_reason", "slow_data", "resume_checked",
-})  # fmt: skip
+# The roll call names a setting by its flag; these have none of their own.
 SETTING_LABELS = {"nproc_per_node": "processes per node (--nproc, or the GPUs listed)"}
-
-
-def settings_every_node_shares(cfg: TrainConfig) -> dict[str, str]:
-    document = cfg.model_dump(mode="json")
-    document["nproc_per_node"] = cfg.nproc_per_node
-    return {
-        name: value if isinstance(value, str) else "unset" if value is None else json.dumps(value)
-        for name, value in document.items()
-        if name not in PER_NODE_SETTINGS
-    }
 
 
 def missing_nodes(job: WorkerJob, present: list[int], address: str) -> str:
@@ -545,93 +467,3 @@ def missing_nodes(job: WorkerJob, present: list[int], address: str) -> str:
         f"{', '.join(map(str, missing))}. Start the same command there with "
         "--node-rank set, or raise --timeout"
     )
-
-
-def _launch_elastic(cfg: TrainConfig, debug: bool) -> dict[str, Any]:
-    out = cfg.resolved_out
-    for warning in capacity_warnings(cfg):
-        ui.warn(warning)
-    summary_file = out / "summary.json"  # rank 0 writes it, and rank 0 runs on node 0
-    if cfg.node_rank == 0:
-        summary_file.unlink(missing_ok=True)
-    # The config the workers read is this launch's alone: in a folder of its own, removed
-    # when the launch ends (in --out, a second run could rewrite it before they read it).
-    with tempfile.TemporaryDirectory(prefix="ddpcli-launch-") as private:
-        request = Path(private) / "config.json"
-        # The one copy that keeps a --data-dir URL's user:password@: its workers read with it.
-        request.write_text(cfg.model_dump_json(context={WITH_CREDENTIALS: True}))
-        job = WorkerJob(
-            module=WORKER_MODULE,
-            args=[str(request), str(out)],  # the second names the run for `ps`, unread
-            nproc_per_node=cfg.nproc_per_node,
-            fork=forks_workers(cfg.uses_gpus),
-            **job_membership(cfg),
-            env={**train_environment(cfg), **({"DDPCLI_DEBUG": "1"} if debug else {})},
-            log_dir=str(cfg.log_dir) if cfg.log_dir else None,
-            settings=settings_every_node_shares(cfg),
-            peer_failed_notice=Path(private) / PEER_FAILED_FILE,
-            stacks_dir=Path(private),
-        )
-        try:
-            run_workers(job, debug)
-        except JobStopped as stopped:
-            # The workers passed on the signal and ended: a Ctrl-C or a preemption inside
-            # the loop left rank 0's word on where the run stopped.
-            stop = read_stop_record(summary_file) if cfg.node_rank == 0 else None
-            if stop is None:
-                raise DdpcliError(
-                    f"{stopped.signal_words}: every worker of this node stopped, none inside "
-                    f"the training loop; --out {out} --resume auto continues from its last "
-                    "checkpoint, if any",
-                    stopped.exit_code,
-                ) from None
-            return stop
-        except DdpcliError:  # a failed rank (a JobStopped is caught above)
-            agreed = read_agreed_stop(Path(private) / AGREED_STOP_FILE)
-            if agreed is None:
-                raise
-            raise DdpcliError(agreed["failed"], agreed["exit_code"]) from None
-    if job.log_dir:
-        ui.info(f"per-rank logs: {newest_run_log_dir(job.log_dir)}/attempt_N/<local rank>/")
-    if cfg.node_rank == 0 and summary_file.exists():
-        return json.loads(summary_file.read_text())
-    return {"out": str(out), "node_rank": cfg.node_rank}
-
-
-def read_stop_record(summary_file: Path) -> dict[str, Any] | None:
-    """Rank 0's summary when the run stopped early (Ctrl-C, a preemption), else None."""
-    record = read_rank0_record(summary_file)
-    return record if record is not None and record.get("stopped") else None
-
-
-def read_agreed_stop(record_file: Path) -> dict[str, Any] | None:
-    """Rank 0's word on a stop every rank found together (a non-finite loss), else None."""
-    record = read_rank0_record(record_file)
-    return record if record is not None and "failed" in record else None
-
-
-def read_rank0_record(path: Path) -> dict[str, Any] | None:
-    """The JSON object rank 0 left for the launcher; None if missing, torn or not one."""
-    try:
-        record = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return record if isinstance(record, dict) else None
-
-
-def train_environment(cfg: TrainConfig) -> dict[str, str]:
-    gpus = cfg.gpus if cfg.uses_gpus else None
-    env = worker_environment(gpus, cfg.nproc_per_node, cfg.ifname)
-    # Restarts on a fixed membership keep the lent store: the workers key each attempt apart
-    # (ddpcli.dist), which holds as long as every agent counts the same restarts.
-    return {**env, **STORE_PER_ROUND} if cfg.elastic else env
-
-
-# Elastic lends its workers one store for every round of its rendezvous, and where rounds
-# follow each other it fails them: restarted Gloo ranks read the last round's addresses
-# under the same keys and fail to connect or hang (pytorch#135712; torchrun too), an agent
-# that restarts for a membership change counts no restart, so a per-restart prefix can
-# differ between hosts, and a host that joins a running job waits for good for an address
-# the first host published only in the first round. This opts out: every round's rank 0
-# worker hosts a store of its own, at an address the rendezvous hands out anew.
-STORE_PER_ROUND = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}

@@ -1,7 +1,7 @@
 """`ddpcli launch`: a user's script on ddpcli's launcher, as torchrun would run it.
 
 The same torch.distributed.elastic agent as `ddpcli train`
-(ddpcli.launcher.launch.run_workers): every worker gets torchrun's environment and runs the
+(ddpcli.launcher.engine.run_workers): every worker gets torchrun's environment and runs the
 script through `ddpcli.launcher.bootstrap`. What the machine can tell is checked first (the
 script, GPUs, interface, master port): exit 2 there, before any worker starts.
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 from ddpcli.config import ScriptLaunchConfig
 from ddpcli.errors import DdpcliError, usage_error
 from ddpcli.files import folder_write_problem
-from ddpcli.launcher.launch import (
+from ddpcli.launcher.engine import (
     STORE_PER_ROUND,
     JobStopped,
     WorkerJob,
@@ -147,8 +147,8 @@ def script_job(cfg: ScriptLaunchConfig) -> WorkerJob:
 
 def restart_safe(cfg: ScriptLaunchConfig) -> dict[str, str]:
     """Where workers may start again (--max-restarts, or a membership change), a store per
-    round (ddpcli.launcher.launch.STORE_PER_ROUND): on the lent one, restarted Gloo ranks failed to
-    connect in 1 restart of 3 here, as under torchrun."""
+    round (ddpcli.launcher.engine.STORE_PER_ROUND): on the lent one, restarted Gloo ranks failed
+    to connect in 1 restart of 3 here, as under torchrun."""
     if cfg.max_restarts == 0 and not cfg.elastic:
         return {}  # one round: the lent store is safe, and needs no free port picked
     return STORE_PER_ROUND
