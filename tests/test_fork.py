@@ -7,6 +7,7 @@ failed rank reported, not only the first."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import multiprocessing.util
 import os
@@ -55,6 +56,7 @@ def main(argv: list[str]) -> None:
         "parent_threads": len(os.listdir(f"/proc/{parent}/task")),
         "job_variable": os.environ.get("DDPCLI_TEST_JOB_VARIABLE"),
         "temp_dir": multiprocessing.util.get_temp_dir(),
+        "collects_garbage": gc.isenabled(),  # the server imported without the collector
     }
     Path(record).write_text(json.dumps(seen))
     time.sleep(float(delay_s))
@@ -83,6 +85,7 @@ def failed_ranks(server: str, folder: Path) -> dict[int, int]:
     assert [s["name"] for s in seen] == ["ddpcli rank 0", "ddpcli rank 1"]  # what ps shows
     assert all(s["parent"] == int(server) for s in seen)  # not the launcher: the server
     assert all(s["parent_threads"] == 1 for s in seen)  # nothing held a lock as it forked
+    assert all(s["collects_garbage"] for s in seen)
     assert all(s["job_variable"] == job_env["DDPCLI_TEST_JOB_VARIABLE"] for s in seen)
     # Each its own: the launcher's is removed as it exits, maybe before a worker's child.
     launchers = multiprocessing.util.get_temp_dir()
@@ -199,7 +202,7 @@ def test_a_launcher_that_has_not_imported_torch_forks_its_server(
         assert said["exit_codes"] == {"0": 3}
         seen = json.loads((tmp_path / "seen-0").read_text())
         assert seen["name"] == "ddpcli rank 0" and seen["parent"] == said["server"]
-        assert seen["parent_threads"] == 1
+        assert seen["parent_threads"] == 1 and seen["collects_garbage"]
         launcher.kill()
         _, errors = launcher.communicate(timeout=10)
         deadline = time.monotonic() + 10

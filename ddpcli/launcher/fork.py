@@ -31,6 +31,7 @@ worker is killed as it finishes.
 from __future__ import annotations
 
 import contextlib
+import gc
 import importlib
 import multiprocessing
 import multiprocessing.util
@@ -42,7 +43,12 @@ import traceback
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from ddpcli.process import JOB_SIGNALS, PARENT_PID_VARIABLE, multiprocessing_sockets_fit
+from ddpcli.process import (
+    JOB_SIGNALS,
+    PARENT_PID_VARIABLE,
+    collector_paused,
+    multiprocessing_sockets_fit,
+)
 
 # The signals elastic's agent catches (to pass on), which the fork server blocks
 # (FORK_SERVER_SETUP): a forked child would inherit either.
@@ -105,7 +111,8 @@ def server_forked_from_here() -> Iterator[None]:
         return
     from multiprocessing import resource_tracker
 
-    import torch  # noqa: F401 - the import the server shares instead of repeating
+    with collector_paused():
+        import torch  # noqa: F401 - the import the server shares instead of repeating
 
     util: Any = multiprocessing.util  # private members used: typeshed does not list them
     resource_tracker.ensure_running()  # its own process, started as multiprocessing does
@@ -165,6 +172,7 @@ def start_forked_worker(parent_pid: str, env: dict[str, str], module: str, *argv
     """A worker's entry point: `python -m MODULE *ARGV` with the job's ENV, in a child of
     the fork server PARENT_PID (which may have started before the job's ENV was known)."""
     leave_fork_server(parent_pid)
+    gc.enable()  # the server imported without it (ddpcli.launcher.fork_server_setup)
     os.environ.update(env)
     # multiprocessing handed this child its parent's start method: the worker's own
     # children (DataLoader workers) are forked from it, as under torchrun.
