@@ -282,6 +282,32 @@ SHARED_FIXTURE_MODULES = (
 )  # fmt: skip
 
 
+# Modules whose tests mostly wait (a node that never joins, a timeout to reach, a host that
+# joins later): two workers in them at once leave a core idle. Each of their tests is dealt
+# after WAITING_SPREAD others (a module that shares a fixture counts as one: it goes whole to
+# one worker), so that the others' computing fills the waits.
+WAITING_MODULES = ("test_multinode", "test_faults")
+WAITING_SPREAD = 2
+
+
+def spread_waiting(items: list) -> list:
+    waiting = [item for item in items if module_name(item) in WAITING_MODULES]
+    spread: list = []
+    dealt = 0
+    for item in items:
+        name = module_name(item)
+        if name in WAITING_MODULES:
+            continue
+        previous = module_name(spread[-1]) if spread else None
+        starts_a_unit = name not in SHARED_FIXTURE_MODULES or previous != name
+        if starts_a_unit:
+            if waiting and dealt % WAITING_SPREAD == 0:
+                spread.append(waiting.pop(0))
+            dealt += 1
+        spread.append(item)
+    return spread + waiting
+
+
 def module_name(item) -> str:
     return item.module.__name__ if item.module is not None else ""
 
@@ -293,10 +319,11 @@ def long_first(item) -> int:
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(config, items):
-    """Long modules first (a stable sort: each module's tests stay together, in order); the
-    modules that share fixtures grouped; tests marked `gpu` exist everywhere and run only
-    where CUDA does."""
+    """Long modules first (a stable sort: each module's tests stay together, in order), the
+    waiting ones spread among them; the modules that share fixtures grouped; tests marked
+    `gpu` exist everywhere and run only where CUDA does."""
     items.sort(key=long_first)
+    items[:] = spread_waiting(items)
     for item in items:
         if module_name(item) in SHARED_FIXTURE_MODULES:
             item.add_marker(pytest.mark.xdist_group(module_name(item)))
