@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_speed_paths import tiny_config
 
-from ddpcli.config import TrainConfig
 from ddpcli.config.plan import RunPlan
 from ddpcli.data import sets
 from ddpcli.data.pipeline import DataPath, DataPipeline, DevicePath, LoaderPath
 from ddpcli.dist import DistContext
-from ddpcli.launcher.plan import plan_run
 
 
 def context(rank: int = 0, world_size: int = 1) -> DistContext:
@@ -25,12 +24,8 @@ def in_memory(size: int) -> sets.MemorySplits:
 
 
 def config(tmp_path, **overrides) -> RunPlan:
-    values = dict(
-        arch="tinycnn", image_size=8, per_gpu_batch=4, synthetic_size=32, epochs=1, cpu=True,
-        nproc=1, workers=0, out=tmp_path, seed=3,
-    )  # fmt: skip
-    values.update(overrides)
-    return plan_run(TrainConfig(**values), None)
+    settings = {"image_size": 8, "per_gpu_batch": 4, "synthetic_size": 32, "seed": 3}
+    return tiny_config(tmp_path, **{**settings, **overrides})
 
 
 @pytest.mark.parametrize(
