@@ -22,7 +22,7 @@ import math
 import time
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, TypeGuard, cast
 
 import torch
 from torch.utils.data import DistributedSampler
@@ -32,7 +32,7 @@ from ddpcli.data.autoaugment import policy_transform
 from ddpcli.data.custom import CustomDataset, CustomSplits
 from ddpcli.data.device import DeviceResidentBatches
 from ddpcli.data.erasing import ErasedBatches
-from ddpcli.data.layout import Augment, resize_side, training_augment
+from ddpcli.data.layout import Augment, training_augment
 from ddpcli.data.loader import (
     FolderDataset,
     KeyedImages,
@@ -169,8 +169,7 @@ class DataPath(ABC):
 
     def val_view(self) -> tuple[int, int]:
         """Validation's (resize side, crop side) for sets decoded as they are read."""
-        crop = self.cfg.val_crop_size
-        return self.cfg.val_resize_size or resize_side(crop), crop
+        return self.cfg.val_resize_size, self.cfg.val_crop_size
 
     @property
     def path_name(self) -> str:
@@ -237,9 +236,17 @@ class DataPath(ABC):
 def normalisation(splits: Splits | CustomSplits, cfg: RunPlan) -> tuple[list, list]:
     """The mean and std batches are normalised with: the in-memory sets' own, measured on the
     training split; ImageNet's for image folders, streamed or decoded once, and a user's sets."""
-    if isinstance(splits, MemorySplits) and cfg.dataset != "imagefolder":
+    if holds_its_own_statistics(splits, cfg):
         return channel_stats(splits.train.images)
     return IMAGENET_MEAN, IMAGENET_STD
+
+
+def holds_its_own_statistics(
+    splits: Splits | CustomSplits, cfg: RunPlan
+) -> TypeGuard[MemorySplits]:
+    """An in-memory set of its own (synthetic, STL-10), not an image folder decoded once: its
+    images are already at their side, and its mean and std are measured on it."""
+    return isinstance(splits, MemorySplits) and cfg.dataset != "imagefolder"
 
 
 def DataPipeline(  # named as what it makes: callers build their data path with it
@@ -247,9 +254,8 @@ def DataPipeline(  # named as what it makes: callers build their data path with 
 ) -> DataPath:
     """This rank's data path, chosen here and nowhere else: shards streamed, a set held on the
     device (only a set in memory can be moved there), or a DataLoader over the rest."""
-    if isinstance(splits, MemorySplits) and cfg.dataset != "imagefolder":
-        crop = cfg.val_crop_size
-        splits.val = view_set(splits.val, cfg.val_resize_size or crop, crop)
+    if holds_its_own_statistics(splits, cfg):
+        splits.val = view_set(splits.val, cfg.val_resize_size, cfg.val_crop_size)
     path: DataPath
     if isinstance(splits, ShardSplits):
         path = ShardPath(splits, cfg, ctx)
