@@ -173,7 +173,7 @@ def run_training(
             on_checked=None if dry_run else start_fork_server,
         )
         if dry_run:
-            show_config(plan, json_output, plan.model_facts)
+            show_config(plan, json_output)
             return
         summary = launched(plan)
     if summary.stop is not None:
@@ -244,9 +244,11 @@ def stopped_early(summary: RunSummary) -> DdpcliError:
     )
 
 
-def show_config(cfg, json_output: bool, built: dict | None = None) -> None:
-    document = cfg.model_dump(mode="json")
-    document.update(world_size=cfg.world_size, global_batch=cfg.global_batch, **(built or {}))
+def show_config(plan: RunPlan, json_output: bool) -> None:
+    """The dry run's answer: the plan, its world and global batch, and what the model check
+    found (model_facts, which config.json never holds)."""
+    document = plan.model_dump(mode="json")
+    document.update(world_size=plan.world_size, global_batch=plan.global_batch, **plan.model_facts)
     if json_output:
         ui.print_json(document)
         return
