@@ -8,7 +8,8 @@
   read; `worker`: what each rank runs.
 
 This package's own import is light (no torch): the command names BARRIER_WORKER_MODULE to
-its fork server, which imports torch while the command goes on, before it imports `run`.
+its fork server before this process imports torch (with `run`): the server then shares that
+import and imports the worker while the command goes on.
 
 May import launcher/ (its ranks are started as training's are), config/, environments/ and
 the shared top-level modules. tests/test_architecture.py holds the table.

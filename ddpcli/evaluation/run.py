@@ -1,6 +1,6 @@
 """`ddpcli eval` in the launching process: under torchrun or SLURM this process is a rank
 itself; else the devices resolved and the plan made (every exit 2) while the CPU ranks'
-fork server imports torch, then the ranks launched (ddpcli.evaluation.launch)."""
+fork server imports the worker, then the ranks launched (ddpcli.evaluation.launch)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def run_eval(cfg: EvalConfig, debug: bool = False) -> dict[str, Any] | None:
 
         return run_rank(cfg, make_plan(cfg), launcher)
     cfg = with_devices(cfg)
-    # CPU ranks are forked from a server that imports torch while the plan is made.
+    # CPU ranks are forked from a server that imports the worker while the plan is made.
     server = fork_server(EVAL_WORKER_MODULE) if forks_workers(cfg.uses_gpus) else nullcontext()
     workdir = Path(tempfile.mkdtemp(prefix="ddpcli-eval-"))
     try:

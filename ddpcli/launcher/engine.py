@@ -66,9 +66,9 @@ def early_fork_server(
     module: str, uses_gpus: bool, launcher: LauncherEnv | None
 ) -> contextlib.AbstractContextManager[Any]:
     """For a command whose launch will fork its workers (CPU ranks, no outside launcher):
-    the fork server of MODULE, started once the flags are checked, so that it imports torch
-    and the worker while the launcher does too and forms the job. It stops when the command
-    ends."""
+    the fork server of MODULE, started once the flags are checked and before this process
+    uses torch, so that it shares this process's torch import and imports the worker while
+    the launcher forms the job. It stops when the command ends."""
     if launcher is not None or not forks_workers(uses_gpus):  # as the job decides
         return contextlib.nullcontext()
     return fork_server(module)
@@ -260,7 +260,7 @@ def run_workers(job: WorkerJob, debug: bool = False) -> None:
     os.environ.update(job.env)  # inherited by the workers, before any of them starts CUDA
     os.environ[PARENT_PID_VARIABLE] = str(os.getpid())  # workers die with us (process.py)
     with contextlib.ExitStack() as stack:
-        # Started first: the server imports torch while this process forms the job.
+        # Started first: the server imports the worker while this process forms the job.
         server = stack.enter_context(fork_server(job.module)) if job.fork else None
         # Elastic hosts have no node rank to answer a roll call by: the rendezvous bounds them.
         static_nodes = job.nnodes > 1 and job.rendezvous is None

@@ -71,8 +71,9 @@ def forks_workers(uses_gpus: bool) -> bool:
 
 @contextlib.contextmanager
 def fork_server(module: str) -> Iterator[str]:
-    """Start the fork server, importing MODULE (and torch with it) in the background while
-    the launcher goes on; yields its pid, the workers' parent. An inner use finds it
+    """Start the fork server, importing MODULE in the background while the launcher goes on
+    (torch too, unless it is forked from here with torch: `server_forked_from_here`); yields
+    its pid, the workers' parent. An inner use finds it
     running and leaves it to the outer one, which stops it: a server outliving its launch
     would give the next launch's workers this one's environment."""
     from multiprocessing import forkserver
