@@ -7,15 +7,17 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ddpcli import ui
 from ddpcli.config.common import PER_NODE, settings_of_kind
 from ddpcli.config.eval import EvalConfig
-from ddpcli.evaluation.plan import RESULT_FILE, EvalPlan
 from ddpcli.launcher.engine import WorkerJob, job_membership, run_workers, worker_environment
 from ddpcli.launcher.fork import forks_workers
 from ddpcli.launcher.resolve import check_torch_sees_gpus, resolve_devices
+
+if TYPE_CHECKING:  # the plan's module imports torch: after the fork server starts
+    from ddpcli.evaluation.plan import EvalPlan
 
 EVAL_WORKER_MODULE = "ddpcli.evaluation.worker"
 # Settings each node may give its own way (its paths, devices, network: marked so on their
@@ -49,6 +51,8 @@ def launch_ranks(cfg: EvalConfig, plan: EvalPlan, workdir: Path, debug: bool) ->
         settings=settings_every_node_shares(cfg),
     )
     run_workers(job, debug)
+    from ddpcli.evaluation.plan import RESULT_FILE
+
     result = workdir / RESULT_FILE
     if cfg.node_rank == 0 and result.exists():
         return json.loads(result.read_text())

@@ -13,7 +13,6 @@ from typing import Any
 from ddpcli.config.eval import EvalConfig
 from ddpcli.environments import read_launcher_env
 from ddpcli.evaluation.launch import EVAL_WORKER_MODULE, launch_ranks, with_devices
-from ddpcli.evaluation.plan import make_plan
 from ddpcli.launcher.fork import fork_server, forks_workers
 
 
@@ -21,6 +20,7 @@ def run_eval(cfg: EvalConfig, debug: bool = False) -> dict[str, Any] | None:
     """Rank 0's report; None on the other ranks of an outside launcher's world."""
     launcher = read_launcher_env()
     if launcher is not None:  # this process is a rank: no worker of its own to start
+        from ddpcli.evaluation.plan import make_plan
         from ddpcli.evaluation.rank import run_rank
 
         return run_rank(cfg, make_plan(cfg), launcher)
@@ -30,6 +30,10 @@ def run_eval(cfg: EvalConfig, debug: bool = False) -> dict[str, Any] | None:
     workdir = Path(tempfile.mkdtemp(prefix="ddpcli-eval-"))
     try:
         with server:
+            # Here: the plan's module imports torch, which a server forked from this process
+            # before it shares (ddpcli.launcher.fork).
+            from ddpcli.evaluation.plan import make_plan
+
             return launch_ranks(cfg, make_plan(cfg), workdir, debug)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
