@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import zygote
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -25,6 +26,7 @@ REPO = Path(__file__).resolve().parents[1]
 # core another test's rank needs (docs/performance.md, "The test suite's time"). Set before
 # torch is imported here, and inherited by every command a test runs.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+zygote.environment.update(os.environ)  # the one its commands' libraries load in
 
 
 LAUNCHER_VARIABLES = (
@@ -159,13 +161,17 @@ def no_fork_server_left():
 
 def run_bounded(command: list[str], timeout: float, env: dict | None = None, cwd=None):
     """Run a command in its own session; on timeout kill the whole process group (the
-    launcher and every worker), then fail the test the way subprocess.run would."""
+    launcher and every worker), then fail the test the way subprocess.run would.
+    `python -m ddpcli ...` is forked from the zygote (tests/zygote.py) where it runs."""
+    env = tagged(env or dict(os.environ), command)
+    if zygote.serves(command) and (done := zygote.run(command, timeout, env, cwd or REPO)):
+        return done
     process = subprocess.Popen(
         command,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env=tagged(env or dict(os.environ), command),
+        env=env,
         cwd=cwd or REPO,
         start_new_session=True,
     )

@@ -227,3 +227,28 @@ def test_an_inner_use_of_the_fork_server_leaves_it_to_the_outer_one():
 def test_only_cpu_jobs_on_linux_fork():
     assert forks_workers(uses_gpus=False) == sys.platform.startswith("linux")
     assert not forks_workers(uses_gpus=True)
+
+
+TORCH_NOTED_UNUSED = """
+import json, torch
+from ddpcli.launcher import fork
+before_noted = fork.torch_unused_since_noted()
+fork.note_torch_unused()
+noted = fork.torch_unused_since_noted()
+torch.set_num_threads(2)
+a = torch.randn(512, 512)
+a @ a  # a parallel region: OpenMP's threads stay
+print(json.dumps([before_noted, noted, fork.torch_unused_since_noted()]))
+"""
+
+
+@linux_only
+def test_torch_noted_unused_lets_the_server_fork_until_a_parallel_region_ran():
+    """A process that imported torch and ran nothing of it (the tests' zygote, a launcher
+    right after its import) may fork its server; torch imported without that note, or a
+    parallel region since (its threads, which a forked child would wait for forever), may not."""
+    said = subprocess.run(
+        [sys.executable, "-c", TORCH_NOTED_UNUSED], capture_output=True, text=True, timeout=120
+    )
+    assert said.returncode == 0, said.stderr
+    assert json.loads(said.stdout) == [False, True, False]

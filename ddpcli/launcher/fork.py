@@ -98,6 +98,31 @@ def fork_server(module: str) -> Iterator[str]:
             the_fork_server()._stop()
 
 
+# The threads this process had when it noted that torch was imported and nothing of it had
+# run since (None: not noted; torch may have run).
+_threads_while_torch_unused: int | None = None
+
+
+def note_torch_unused() -> None:
+    """Torch is imported here and nothing of it has run since: a fork server may be forked
+    from this process while no thread appears (`server_forked_from_here`). Noted right after
+    the launcher's own import, or by a process forked from one that imported torch and ran
+    nothing of it (tests/zygote.py)."""
+    global _threads_while_torch_unused
+    _threads_while_torch_unused = os_thread_count()
+
+
+def torch_unused_since_noted() -> bool:
+    """A parallel region of OpenMP leaves its threads behind, as would anything else that
+    started one: more threads than when noted means torch (or something) has run."""
+    noted = _threads_while_torch_unused
+    return noted is not None and os_thread_count() <= noted
+
+
+def os_thread_count() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
 @contextlib.contextmanager
 def server_forked_from_here() -> Iterator[None]:
     """Within: a fork server that multiprocessing starts is forked from this process after
@@ -105,15 +130,19 @@ def server_forked_from_here() -> Iterator[None]:
 
     Only while nothing of torch has run here yet: a child forked after OpenMP ran a parallel
     region with several threads hangs at its own first one (GNU OpenMP keeps no fork
-    handler), so "torch not imported yet" is the condition; and with no other thread, which
-    could hold a lock the child would inherit held."""
-    if "torch" in sys.modules or threading.active_count() > 1 or not os.path.isdir("/proc/self/fd"):
+    handler), so torch is imported here, or was noted unused (`note_torch_unused`); and
+    with no other Python thread, which could hold a lock the child would inherit held."""
+    if threading.active_count() > 1 or not os.path.isdir("/proc/self/task"):
+        yield
+        return
+    if "torch" not in sys.modules:
+        with collector_paused():
+            import torch  # noqa: F401 - the import the server shares instead of repeating
+        note_torch_unused()
+    if not torch_unused_since_noted():
         yield
         return
     from multiprocessing import resource_tracker
-
-    with collector_paused():
-        import torch  # noqa: F401 - the import the server shares instead of repeating
 
     util: Any = multiprocessing.util  # private members used: typeshed does not list them
     resource_tracker.ensure_running()  # its own process, started as multiprocessing does
