@@ -11,13 +11,21 @@ INTERRUPTED = 130  # Ctrl-C, as a shell reports a command SIGINT ended (128 + 2)
 class DdpcliError(Exception):
     """An error meant for the user: the CLI prints `message` (no traceback) and exits."""
 
-    def __init__(self, message: str, exit_code: int = USAGE, every_rank: bool = False) -> None:
+    def __init__(
+        self,
+        message: str,
+        exit_code: int = USAGE,
+        every_rank: bool = False,
+        data: dict | None = None,
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.exit_code = exit_code
         # Found from values every rank shares (a reduced loss, the data set's size): said
         # once for all of them.
         self.every_rank = every_rank
+        # What --json says beside the message (the collective verdict: ddpcli.collectives).
+        self.data = data
 
 
 def usage_error(message: str) -> DdpcliError:

@@ -273,7 +273,7 @@ def has_cuda() -> bool:
 # sit idle.
 LONG_MODULES = (
     "test_job_signals", "test_multinode", "test_trackers", "test_shards_train", "test_faults",
-    "test_custom", "test_preempt", "test_eval", "test_lr", "test_shards_remote",
+    "test_collectives", "test_custom", "test_preempt", "test_eval", "test_lr", "test_shards_remote",
     "test_loop_safety", "test_resume", "test_train", "test_curves", "test_recipe_resume",
     "test_world_change", "test_export", "test_run_folders", "test_launch", "test_check_env",
     "test_data_checks", "test_compression", "test_speed_paths", "test_bench_barrier",
@@ -284,7 +284,7 @@ LONG_MODULES = (
 SHARED_FIXTURE_MODULES = (
     "test_job_signals", "test_trackers", "test_shards_train", "test_custom", "test_eval",
     "test_shards_remote", "test_loop_safety", "test_resume", "test_train", "test_curves",
-    "test_export",
+    "test_export", "test_collectives",
 )  # fmt: skip
 
 

@@ -49,25 +49,31 @@ ALLOWED_IMPORTS: dict[str, set[str]] = {
     "data": parts("errors shared config"),
     # a run folder records the run's config and who restarted it (environments)
     "outputs": parts("errors shared environments config"),
+    # the flight recorder's evidence: each rank's record, gathered, and the verdict on it
+    "collectives": parts("errors shared"),
     # a checkpoint holds the data position (data.resharding); verify rebuilds the model
     "checkpoint": parts("errors shared config data models"),
     # one rank's work: its world, data and model, checkpoints saved, the run's files written
-    "training": parts("errors shared environments config models data checkpoint outputs"),
+    "training": parts(
+        "errors shared environments config models data checkpoint outputs collectives"
+    ),
     # a run planned against this machine (data, models, training.precision, the resume file
     # checked: checkpoint), its run folder claimed, training's worker started in each rank
-    "launcher": parts("errors shared environments config models data outputs checkpoint training"),
+    "launcher": parts(
+        "errors shared environments config models data outputs checkpoint collectives training"
+    ),
     # the two instruments start their ranks, and check the machine, as the launcher does
     "barrier": parts("errors shared environments config launcher"),
     "checkenv": parts("errors shared environments config launcher"),
     # `ddpcli eval`: a checkpoint's model rebuilt (checkpoint, models), its data viewed as
     # validation saw it (data), autocast as training ran (training), ranks started (launcher)
     "evaluation": parts(
-        "errors shared environments config models data checkpoint training launcher"
+        "errors shared environments config models data checkpoint collectives training launcher"
     ),
     # a command is a thin layer over the engine: it may call any part of it
     "cli": parts(
-        "errors shared environments config models data outputs checkpoint training launcher "
-        "barrier checkenv evaluation"
+        "errors shared environments config models data outputs checkpoint collectives training "
+        "launcher barrier checkenv evaluation"
     ),
 }
 

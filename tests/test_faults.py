@@ -314,8 +314,14 @@ def test_a_rank_stuck_outside_any_collective_is_named_with_where_it_was(tmp_path
         "at a collective and gave up; it was then stopped (SIGTERM) while still at "
         "ddpcli/data/pipeline.py:LINE in __iter__(): time.sleep(self.seconds)"
     ).replace("LINE", r"\d+")
-    # Rank 0's own timeout is no news: the report's one line says it.
-    assert len(said) == 1 and re.fullmatch(expected, said[0]), run.stderr[-3000:]
+    # Rank 0's own timeout is no news: the report's first line says it; the flight
+    # recorder's verdict adds the collective rank 0 waited in, and where its records are.
+    assert re.fullmatch(expected, said[0]), run.stderr[-3000:]
+    assert re.fullmatch(
+        r"error:   rank 0 waited in .* \(#\d+\), which rank 1 never issued \(its last was #\d+\)",
+        said[1],
+    ), run.stderr[-3000:]
+    assert said[2].startswith(f"error:   records: {out / 'collectives'}") and len(said) == 3
     assert_no_worker_left(out)
 
 

@@ -103,6 +103,7 @@ Out = Annotated[
     eval_option("out", "The eval folder.", OUTPUTS, default="CHECKPOINT's folder/eval-STEM-SPLIT"),
 ]
 Predictions = Annotated[bool | None, eval_option("predictions", panel=OUTPUTS)]
+FlightRecorder = Annotated[bool | None, eval_option("flight_recorder", panel=OUTPUTS)]
 JsonOutput = Annotated[
     bool,
     typer.Option("--json", help="Print one JSON document on stdout.", rich_help_panel=OUTPUTS),
@@ -127,6 +128,7 @@ def evaluate(
     workers: Workers = None,
     out: Out = None,
     predictions: Predictions = None,
+    flight_recorder: FlightRecorder = None,
     json_output: JsonOutput = False,
     # Processes and devices, Multi-node: as `train` takes them
     gpus: processes.Gpus = None,

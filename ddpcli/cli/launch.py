@@ -146,6 +146,16 @@ def launch(
             decls=spellings("log-dir"),
         ),
     ] = None,
+    flight_recorder: Annotated[
+        bool | None,
+        option(
+            "torch's flight recorder in every rank: when ranks stop agreeing, a verdict naming "
+            "the rank, the collective and the line that issued it (records in --log-dir's "
+            "collectives/, else a temporary folder).",
+            default="on",
+            decls=("--flight-recorder/--no-flight-recorder",),
+        ),
+    ] = None,
     redirects: Annotated[
         str | None,
         option(

@@ -78,6 +78,7 @@ def train(
     bucket_cap_mb: processes.BucketCapMb = None,
     find_unused_parameters: processes.FindUnusedParameters = None,
     static_graph: processes.StaticGraph = None,
+    flight_recorder: processes.FlightRecorder = None,
     gradient_as_bucket_view: processes.GradientAsBucketView = None,
     grad_compression: processes.GradCompression = None,
     powersgd_start_step: processes.PowersgdStartStep = None,
@@ -175,13 +176,24 @@ def run_training(
         if dry_run:
             show_config(plan, json_output)
             return
-        summary = launched(plan)
+        summary = launched_said_as_json(plan) if json_output else launched(plan)
     if summary.stop is not None:
         stopped = stopped_early(summary)
         if launcher is not None and launcher.rank != 0:  # torchrun's ranks: rank 0 says it
             raise SystemExit(stopped.exit_code)
         raise stopped
     report_training(plan, summary, json_output)
+
+
+def launched_said_as_json(plan: RunPlan) -> RunSummary:
+    """launched(PLAN), and a failure that carries data (the collective verdict) said on
+    stdout as one JSON document too, as a finished run's summary would be."""
+    try:
+        return launched(plan)
+    except DdpcliError as failed:
+        if failed.data:
+            ui.print_json({"failed": failed.message, "exit_code": failed.exit_code, **failed.data})
+        raise
 
 
 def launched(plan: RunPlan) -> RunSummary:

@@ -60,6 +60,11 @@ class EvalConfig(Membership, CommandConfig):
     predictions: bool = Field(
         False, description="also write predictions.csv: each image's label and top-5 classes"
     )
+    flight_recorder: bool = Field(
+        True,
+        description="torch's flight recorder in every rank: when ranks stop agreeing, a "
+        "verdict naming the rank, the collective and the line that issued it",
+    )
     # processes, devices and nodes, as `ddpcli train` takes them
     gpus: Annotated[GpuList, PER_NODE] = None
     cpu: bool = False

@@ -53,6 +53,11 @@ class ScriptLaunchConfig(Membership, CommandConfig):
     max_restarts: int = Field(0, ge=0)
     timeout: float = Field(300.0, ge=MIN_TIMEOUT_S, description="seconds for the rendezvous")
     log_dir: str | None = None
+    flight_recorder: bool = Field(
+        True,
+        description="torch's flight recorder in every rank: when ranks stop agreeing, a "
+        "verdict naming the rank, the collective and the line that issued it",
+    )
     # torchrun's flags for its logs and its agent (docs/launch.md, "flag by flag").
     redirects: str | None = None  # 0-3, or LOCAL_RANK:N,... (elastic's Std)
     tee: str | None = None

@@ -371,6 +371,11 @@ class TrainConfig(Membership, CommandConfig):
         description="DDP: train a model whose loss leaves some parameters out (a branch not "
         "taken); costs a walk of the autograd graph every step",
     )
+    flight_recorder: bool = Field(
+        True,
+        description="torch's flight recorder in every rank: when ranks stop agreeing, a "
+        "verdict naming the rank, the collective and the line that issued it",
+    )
     # DDP's settings for slow links (docs/performance.md, "DDP on slow links"): today's
     # behaviour until the scaling measurements choose the defaults.
     static_graph: bool = Field(

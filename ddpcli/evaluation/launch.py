@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ddpcli import ui
+from ddpcli.collectives.gather import KEPT_FOLDER
 from ddpcli.config.common import PER_NODE, settings_of_kind
 from ddpcli.config.eval import EvalConfig
 from ddpcli.launcher.engine import WorkerJob, job_membership, run_workers, worker_environment
@@ -49,6 +50,8 @@ def launch_ranks(cfg: EvalConfig, plan: EvalPlan, workdir: Path, debug: bool) ->
             **({"DDPCLI_DEBUG": "1"} if debug else {}),
         },
         settings=settings_every_node_shares(cfg),
+        flight_recorder=cfg.flight_recorder,
+        records_kept_in=cfg.resolved_out / KEPT_FOLDER,
     )
     run_workers(job, debug)
     from ddpcli.evaluation.plan import RESULT_FILE

@@ -14,6 +14,7 @@ from pathlib import Path
 import torchvision.transforms.v2  # noqa: F401
 
 from ddpcli import ui
+from ddpcli.collectives import record
 from ddpcli.config.eval import EvalConfig
 from ddpcli.environments import read_launcher_env
 from ddpcli.errors import (
@@ -41,6 +42,7 @@ from ddpcli.process import (
 @recorded
 def main(argv: list[str]) -> None:
     die_with_parent()
+    record.arm_from_environment()
     request = json.loads(Path(argv[1]).read_text())
     cfg = EvalConfig.model_validate(request["config"])
     plan = EvalPlan(**request["plan"])
@@ -55,6 +57,7 @@ def main(argv: list[str]) -> None:
     except DdpcliError as error:
         exit_with_error(said_by_rank(env.rank, in_eval_words(error.message)), error.exit_code)
     except Exception as error:
+        record.dump_if_armed(error)  # for the verdict, if ranks stopped agreeing
         record_for_agent(error)  # the launcher names the rank that failed first, and why
         if lost_a_peer(str(error)) or gave_up_waiting(error):  # a consequence: said there
             end_quietly(RUNTIME)

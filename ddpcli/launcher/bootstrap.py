@@ -23,6 +23,7 @@ import sys
 import traceback
 from pathlib import Path
 
+from ddpcli.collectives import record
 from ddpcli.errors import (
     INTERRUPTED,
     backend_gist,
@@ -123,6 +124,7 @@ def main(argv: list[str]) -> None:
     reports = os.environ.pop(STACKS_FOLDER_VARIABLE, "")  # not the script's business
     # Where a stopped rank was stuck. faulthandler keeps the file open for the process's life.
     faulthandler.register(signal.SIGTERM, file=stack_output(reports), all_threads=True, chain=True)
+    record.arm_from_environment()
     as_module = len(argv) > 1 and argv[1] == "-m"
     rest = argv[2:] if as_module else argv[1:]
     if not rest:
@@ -139,6 +141,7 @@ def main(argv: list[str]) -> None:
     except BaseException as error:
         # Failing already: the agent's SIGTERM to the others may reach this rank too.
         faulthandler.unregister(signal.SIGTERM)
+        record.dump_if_armed(error)  # for the verdict, if ranks stopped agreeing
         print_failure(error)
         record_for_agent(error)
         end_now(1)

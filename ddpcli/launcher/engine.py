@@ -17,10 +17,12 @@ import socket
 import sys
 import tempfile
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ddpcli.collectives.gather import judged, keep_records
+from ddpcli.collectives.record import RECORD_PREFIX, RECORDS_FOLDER_VARIABLE, recorder_environment
 from ddpcli.config import ScriptLaunchConfig, TrainConfig
 from ddpcli.config.eval import EvalConfig
 from ddpcli.environments import LauncherEnv
@@ -28,12 +30,13 @@ from ddpcli.environments.world import DEFAULT_MASTER_PORT
 from ddpcli.errors import (
     INTERRUPTED,
     RUNTIME,
+    USAGE,
     DdpcliError,
     first_line,
     runtime_error,
     usage_error,
 )
-from ddpcli.launcher.failure_report import describe_failure
+from ddpcli.launcher.failure_report import describe_failure, ending_in_words, failed_of_itself
 from ddpcli.launcher.fork import (
     fork_server,
     forks_workers,
@@ -151,6 +154,11 @@ class WorkerJob:
     role: str | None = None
     monitor_interval: float = 0.1
     local_addr: str | None = None
+    # torch's flight recorder on in every worker (--no-flight-recorder: off); their records,
+    # when the job stops because ranks no longer agree, kept in RECORDS_KEPT_IN (a run's
+    # collectives/ folder) for the verdict (ddpcli.collectives).
+    flight_recorder: bool = False
+    records_kept_in: Path | None = None
 
     @property
     def agent_port(self) -> int:
@@ -267,7 +275,19 @@ def run_workers(job: WorkerJob, debug: bool = False) -> None:
         store = roll_call(job) if static_nodes else None  # noqa: F841 - keeps the server alive
         scratch = stack.enter_context(tempfile.TemporaryDirectory(prefix="ddpcli-agent-"))
         stacks = stacks_folder(job, Path(scratch))
+        job = with_flight_recorder(job, Path(scratch))
         start_workers(job, launch_config(job, scratch), server, stacks)
+
+
+def with_flight_recorder(job: WorkerJob, scratch: Path) -> WorkerJob:
+    """JOB with the variables that turn each worker's flight recorder on (or off), and name
+    the folder where a worker leaves its record when the job stops."""
+    records = scratch / "records" if job.flight_recorder else None
+    if records is not None:
+        records.mkdir()
+    variables = recorder_environment(job.flight_recorder, records)
+    os.environ.update(variables)  # workers started as programs inherit them
+    return replace(job, env={**job.env, **variables})
 
 
 def stacks_folder(job: WorkerJob, scratch: Path) -> Path | None:
@@ -304,8 +324,9 @@ def start_workers(
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
+    records = records_folder(job)
     with contextlib.ExitStack() as patches:
-        patches.enter_context(failed_workers_handled(job.peer_failed_notice))
+        patches.enter_context(failed_workers_handled(job.peer_failed_notice, records))
         attempts = patches.enter_context(restarts_announced(job.max_restarts, job.nproc_per_node))
         try:
             if fork_server_pid is not None:
@@ -315,7 +336,8 @@ def start_workers(
             else:
                 elastic_launch(config, sys.executable)("-m", job.module, *job.args)
         except ChildFailedError as failure:
-            raise failure_in_words(job, failure, stacks, attempts.made) from None
+            in_words = failure_in_words(job, failure, stacks, attempts.made)
+            raise with_verdict(in_words, job, failure, records, stacks) from None
         except SignalException as received:
             raise JobStopped(received.sigval) from None
         except Exception as error:  # rendezvous errors: the world never formed
@@ -335,6 +357,62 @@ def failure_in_words(
     return describe_failure(
         failure, job.log_dir, collective_timeout, stacks, world_size, attempts=attempts
     )
+
+
+def records_folder(job: WorkerJob) -> Path | None:
+    """Where this node's workers leave their flight records (with_flight_recorder's)."""
+    folder = job.env.get(RECORDS_FOLDER_VARIABLE)
+    return Path(folder) if folder else None
+
+
+def with_verdict(
+    described: DdpcliError,
+    job: WorkerJob,
+    failure: ChildFailedError,
+    records: Path | None,
+    stacks: Path | None,
+) -> DdpcliError:
+    """Where the ranks' collectives parted and why, when their records (kept in the run's
+    collectives/ folder) show it; else DESCRIBED."""
+    if records is None or job.records_kept_in is None:
+        return described
+    if described.exit_code == USAGE or failed_of_itself(failure.failures):
+        return described  # the rank's own error, quoted, is the news
+    kept = job.records_kept_in
+    kept_here = keep_records(records, kept)
+    # Node 0 judges, from every node's records that reach it (a shared --out); the others
+    # leave theirs.
+    judge_here = job.nnodes == 1 or (job.node_rank == 0 and job.rendezvous is None)
+    if not kept_here or not judge_here:
+        return described
+    world_size = job.nproc_per_node * job.nnodes
+    endings = {rank: ending_in_words(ended) for rank, ended in failure.failures.items()}
+    verdict = judged(kept, world_size, endings, stacks, other_nodes=job.nnodes > 1)
+    if isinstance(verdict, list):
+        unseen = ", ".join(map(str, verdict))
+        return DdpcliError(
+            f"{described.message}\n  no verdict on the ranks' collectives: the records of "
+            f"rank(s) {unseen} (other nodes) did not reach {kept} (a folder on a file system every "
+            "node shares gathers them)",
+            described.exit_code,
+        )
+    if verdict is None:
+        return described
+    said = [
+        *verdict.lines(),
+        f"records: {kept} (python -m torch.distributed.flight_recorder.fr_trace {kept} "
+        f"--prefix {RECORD_PREFIX})",
+    ]
+    data = {"verdict": {**verdict.to_dict(), "records": str(kept), "lines": said}}
+    # A dead or unresponsive rank, which the description names, stays the news: the verdict
+    # adds the collective where the others waited for it. Otherwise the verdict replaces the
+    # knock-on effects the ranks saw (a timeout, a peer gone).
+    if verdict.cause in ("died", "never_reached"):
+        head, rest = [described.message], [verdict.waited_line(), said[-1]]
+    else:
+        head, rest = said[:1], said[1:]
+    message = "\n".join([*head, *(f"  {line}" for line in rest)])
+    return DdpcliError(message, described.exit_code, data=data)
 
 
 def never_formed(job: WorkerJob, error: Exception) -> DdpcliError | None:

@@ -227,6 +227,16 @@ def timed_out(failure: ProcessFailure) -> bool:
     return any(marker in last_error_line(failure) for marker in TIMED_OUT)
 
 
+def failed_of_itself(failures: Mapping[int, ProcessFailure]) -> bool:
+    """The first rank to fail raised an error of its own (bad input, an exception in its
+    code), which the report quotes: not a rank killed, stuck, or at odds with the others."""
+    if unresponsive_rank(failures) is not None:
+        return False
+    _, first = first_cause(failures)
+    error = last_error_line(first)
+    return first.exitcode > 0 and error not in ("", "<NONE>") and not knock_on_effect(first)
+
+
 def knock_on_effect(failure: ProcessFailure, one_node: bool = False) -> str:
     """Why this failure is probably not the cause, or "" if it may be. ONE_NODE: every
     rank of the job ran here, so the cause is no other node's."""
@@ -257,15 +267,25 @@ def rank_log(log_dir: str, local_rank: int) -> Path:
     return base / str(local_rank) / "stderr.log"
 
 
-def exit_in_words(exitcode: int) -> str:
+def exit_in_words(exitcode: int, guess: bool = True) -> str:
+    """GUESS: say what most likely sent a SIGKILL."""
     if exitcode < 0:
         try:
             name = signal.Signals(-exitcode).name
         except ValueError:
             name = f"signal {-exitcode}"
-        hint = " (most likely out of memory, or the scheduler)" if name == "SIGKILL" else ""
+        hint = (
+            " (most likely out of memory, or the scheduler)" if guess and name == "SIGKILL" else ""
+        )
         return f"killed by {name}{hint}"
     return f"exit code {exitcode}"
+
+
+def ending_in_words(failure: ProcessFailure) -> str:
+    """How a rank ended and, if it left one, the last line of its error."""
+    ended = exit_in_words(failure.exitcode, guess=False)
+    error = last_error_line(failure)
+    return f"{ended}: {error}" if error and error != "<NONE>" else ended
 
 
 def failure_text(failure: ProcessFailure) -> str:

@@ -29,6 +29,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from ddpcli.collectives.gather import await_records, clear_records, request_records
 from ddpcli.records import LATER_ROUND_FILE
 
 
@@ -37,7 +38,9 @@ class FailedWorkerHandling:
     poll that finds a failed worker stops the others, so this comes just before it."""
 
     notice: Path | None = None
+    records: Path | None = None  # where the workers leave their flight records
     starts = 0  # on the class made for one launch: how often it has started its workers
+    records_asked = False
 
     def _start(self) -> None:
         if self.notice is not None:
@@ -45,6 +48,9 @@ class FailedWorkerHandling:
             if type(self).starts > 0:
                 self.notice.with_name(LATER_ROUND_FILE).touch()
         type(self).starts += 1
+        if self.records is not None:  # a restart: its records are of a round now over
+            clear_records(self.records)
+            self.records_asked = False
         super()._start()  # type: ignore[misc]
 
     def _poll(self) -> Any:
@@ -55,12 +61,32 @@ class FailedWorkerHandling:
         for pid in failed:
             with contextlib.suppress(OSError):  # its group may be empty already
                 os.killpg(pid, signal.SIGKILL)
+        if failed and self.records is not None and not self.records_asked:
+            self.ask_for_records(self.records)
         return super()._poll()  # type: ignore[misc]
+
+    def ask_for_records(self, records: Path) -> None:
+        """Before the others are stopped: each live rank's flight record, for the verdict on
+        where the ranks parted (a bounded wait: a dead rank leaves none)."""
+        self.records_asked = True
+        request_records(records)
+        await_records(records, self._live_ranks())
 
     def _close(self, death_sig: signal.Signals, timeout: int = 30) -> None:
         workers = self._worker_pids()
         super()._close(death_sig, timeout)  # type: ignore[misc]
         end_what_workers_left(workers)
+
+    def _live_ranks(self) -> list[int]:
+        """The global ranks of the workers still running."""
+        envs: dict[int, dict[str, str]] = getattr(self, "envs", {})
+        failed = set(self._failed_worker_pids())
+        pids = self._worker_pids()
+        return [
+            int(envs[local_rank]["RANK"])
+            for local_rank, pid in enumerate(pids)
+            if pid not in failed and local_rank in envs and "RANK" in envs[local_rank]
+        ]
 
     def _worker_pids(self) -> list[int]:
         processes = getattr(self, "_pc", None)
@@ -119,17 +145,18 @@ def session_members(sessions: set[int]) -> list[int]:
 
 
 @contextlib.contextmanager
-def failed_workers_handled(notice: Path | None) -> Iterator[None]:
-    """While it lasts, the agent kills a failed worker's process group and touches NOTICE
-    (unless None) before it stops the other workers. Patches the contexts elastic starts
-    workers in."""
+def failed_workers_handled(notice: Path | None, records: Path | None = None) -> Iterator[None]:
+    """While it lasts, the agent kills a failed worker's process group, touches NOTICE
+    (unless None) and asks the others for their flight records in RECORDS (unless None)
+    before it stops them. Patches the contexts elastic starts workers in."""
     from torch.distributed.elastic import multiprocessing as elastic_mp
 
     names = ("MultiprocessContext", "SubprocessContext")
     originals = {name: getattr(elastic_mp, name) for name in names}
     try:
         for name, base in originals.items():
-            mixed = type(name, (FailedWorkerHandling, base), {"notice": notice})
+            own = {"notice": notice, "records": records}
+            mixed = type(name, (FailedWorkerHandling, base), own)
             setattr(elastic_mp, name, mixed)
         yield
     finally:

@@ -11,8 +11,11 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+import tempfile
+import uuid
 from pathlib import Path
 
+from ddpcli.collectives.gather import KEPT_FOLDER
 from ddpcli.config import ScriptLaunchConfig
 from ddpcli.errors import DdpcliError, usage_error
 from ddpcli.files import folder_write_problem
@@ -117,6 +120,15 @@ def check_master_port(port: int) -> None:
     )
 
 
+def records_folder(cfg: ScriptLaunchConfig) -> Path:
+    """Where the ranks' flight records are kept if the job stops with ranks that no longer
+    agree (made only then): --log-dir's collectives/, else a folder of its own in the
+    temporary directory, which the verdict names."""
+    if cfg.log_dir:
+        return Path(cfg.log_dir) / KEPT_FOLDER
+    return Path(tempfile.gettempdir()) / f"ddpcli-collectives-{uuid.uuid4().hex[:8]}"
+
+
 def script_job(cfg: ScriptLaunchConfig) -> WorkerJob:
     target = ["-m", cfg.target] if cfg.module else [cfg.target]
     membership = job_membership(cfg)  # --standalone: one node, on --master-port if given
@@ -136,6 +148,8 @@ def script_job(cfg: ScriptLaunchConfig) -> WorkerJob:
         role=cfg.role,
         monitor_interval=cfg.monitor_interval,
         local_addr=cfg.local_addr,
+        flight_recorder=cfg.flight_recorder,
+        records_kept_in=records_folder(cfg),
         # The nodes' agents compare these at the roll call: a job is one script, one size.
         settings={
             "script": " ".join([*target, *cfg.script_args]),

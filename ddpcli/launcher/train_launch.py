@@ -15,11 +15,13 @@ from pathlib import Path
 from typing import Any
 
 from ddpcli import ui
+from ddpcli.collectives.gather import KEPT_FOLDER
 from ddpcli.config.common import PER_NODE, settings_of_kind
 from ddpcli.config.data import WITH_CREDENTIALS
 from ddpcli.config.plan import RunPlan
 from ddpcli.environments import LauncherEnv, read_launcher_env
 from ddpcli.errors import DdpcliError, debug_requested
+from ddpcli.files import write_text_atomic
 from ddpcli.launcher.engine import (
     STORE_PER_ROUND,
     JobStopped,
@@ -128,6 +130,8 @@ def _launch_elastic(cfg: RunPlan, debug: bool) -> RunSummary:
             settings=settings_every_node_shares(cfg),
             peer_failed_notice=Path(private) / PEER_FAILED_FILE,
             stacks_dir=Path(private),
+            flight_recorder=cfg.flight_recorder,
+            records_kept_in=out / KEPT_FOLDER,
         )
         try:
             run_workers(job, debug)
@@ -143,16 +147,33 @@ def _launch_elastic(cfg: RunPlan, debug: bool) -> RunSummary:
                     stopped.exit_code,
                 ) from None
             return stop
-        except DdpcliError:  # a failed rank (a JobStopped is caught above)
+        except DdpcliError as failed:  # a failed rank (a JobStopped is caught above)
             agreed = read_agreed_stop(Path(private) / AGREED_STOP_FILE)
             if agreed is None:
+                if failed.data and cfg.node_rank == 0:
+                    write_failure_summary(summary_file, failed)
                 raise
-            raise DdpcliError(agreed["failed"], agreed["exit_code"]) from None
+            raise agreed_with_verdict(agreed, failed) from None
     if job.log_dir:
         ui.info(f"per-rank logs: {newest_run_log_dir(job.log_dir)}/attempt_N/<local rank>/")
     if cfg.node_rank == 0 and summary_file.exists():
         return RunSummary.from_dict(json.loads(summary_file.read_text()))
     return RunSummary(other_node=OtherNode(str(out), cfg.node_rank))
+
+
+def agreed_with_verdict(agreed: dict, failed: DdpcliError) -> DdpcliError:
+    """The stop every rank agreed on (said once), with the verdict on the ranks'
+    collectives FAILED carries, if any: a parameter unused on one rank only is both."""
+    verdict = (failed.data or {}).get("verdict")
+    lines = [f"  {line}" for line in verdict["lines"]] if verdict else []
+    return DdpcliError("\n".join([agreed["failed"], *lines]), agreed["exit_code"], data=failed.data)
+
+
+def write_failure_summary(summary_file: Path, failed: DdpcliError) -> None:
+    """A run that failed with a verdict on its ranks' collectives: summary.json says what
+    failed and holds the verdict as data, for a script to read."""
+    document = {"failed": failed.message, "exit_code": failed.exit_code, **(failed.data or {})}
+    write_text_atomic(summary_file, ui.json_text(document) + "\n")
 
 
 def read_stop_record(summary_file: Path) -> RunSummary | None:

@@ -18,6 +18,7 @@ import torch
 import torch._dynamo  # noqa: F401 - DDP's constructor imports it: once, in the launcher, if forked
 
 from ddpcli import ui
+from ddpcli.collectives import record
 from ddpcli.config.plan import RunPlan
 from ddpcli.data.custom import custom_splits
 from ddpcli.data.pipeline import DataPipeline
@@ -170,6 +171,7 @@ def main(argv: list[str]) -> None:
     # stuck: another one failed, before the loop's own handling of the signal).
     stacks = stack_output(Path(argv[1]).parent)
     faulthandler.register(signal.SIGTERM, file=stacks, all_threads=True, chain=True)
+    record.arm_from_environment()
     note_interrupts()
     note_failed_peers(Path(argv[1]).with_name(PEER_FAILED_FILE))
     cfg = RunPlan.model_validate_json(Path(argv[1]).read_text())
@@ -182,6 +184,7 @@ def main(argv: list[str]) -> None:
     except KeyboardInterrupt as stop:
         end_interrupted(stop, env, cfg)
     except Exception as error:
+        record.dump_if_armed(error)  # for the verdict, if ranks stopped agreeing
         wait_if_terminating()  # a peer that left on the same SIGTERM: no news
         if was_interrupted():  # a peer that stopped first: a consequence of the Ctrl-C
             end_interrupted(None, env, cfg)

@@ -53,6 +53,8 @@ FindUnusedParameters = Annotated[bool | None, train_option("find_unused_paramete
 
 StaticGraph = Annotated[bool | None, train_option("static_graph", panel=PANEL)]
 
+FlightRecorder = Annotated[bool | None, train_option("flight_recorder", panel=PANEL)]
+
 GradientAsBucketView = Annotated[bool | None, train_option("gradient_as_bucket_view", panel=PANEL)]
 
 GradCompression = Annotated[

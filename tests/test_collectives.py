@@ -1,0 +1,163 @@
+"""When ranks stop agreeing (issue 49): every rank runs with torch's flight recorder, the
+live ranks dump their records when one fails, the launcher keeps them in the run's
+collectives/ folder (named by host and rank, as torch's analyzer reads them) and says in a
+few lines which rank ran which collective, from which line of the user's code, and why.
+Three Gloo ranks; each model turns faulty on rank 1 (or 2) after its first steps
+(tests/fixtures/faults/faulty.py)."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import re
+import socket
+from pathlib import Path
+
+import pytest
+from conftest import REPO, clean_env, run_cli
+
+FAULTS = REPO / "tests" / "fixtures" / "faults" / "faulty.py"
+RUN = [
+    "--cpu", "--nproc", "3", "--image-size", "16", "--per-gpu-batch", "4",
+    "--synthetic-size", "96", "--epochs", "1", "--timeout", "30", "--workers", "0",
+]  # fmt: skip
+
+
+def marked_line(marker: str) -> int:
+    """The line of faulty.py with `# marker: MARKER`."""
+    lines = FAULTS.read_text().splitlines()
+    return next(n for n, line in enumerate(lines, 1) if f"# marker: {marker}" in line)
+
+
+def failed_run(tmp_path: Path, factory: str, *extra: str):
+    out = tmp_path / "run"
+    result = run_cli(
+        "train", *RUN, "--arch", f"{FAULTS}:{factory}", "--out", str(out), *extra, timeout=120
+    )
+    assert result.returncode == 1, result.stderr[-3000:]
+    return out, result.stderr
+
+
+def verdict_lines(stderr: str) -> str:
+    return "\n".join(line for line in stderr.splitlines() if line.startswith("error:"))
+
+
+def test_an_extra_all_reduce_on_one_rank_is_named_with_its_line(tmp_path):
+    out, stderr = failed_run(tmp_path, "extra")
+    said = verdict_lines(stderr)
+    line = marked_line("extra")
+    assert re.search(
+        rf"rank 1 ran all_reduce float32\[3\] at \S*faulty\.py:{line} in forward\(\).*\(#\d+\), "
+        r"where ranks 0 and 2 ran DDP's gradient all_reduce",
+        said,
+    ), said
+    assert "a collective that only some ranks run" in said
+    kept = sorted(path.name for path in (out / "collectives").iterdir())
+    host = socket.gethostname()
+    assert kept == [f"{host}.rank_0", f"{host}.rank_1", f"{host}.rank_2"], kept
+    record = pickle.loads((out / "collectives" / f"{host}.rank_1").read_bytes())
+    assert record["entries"] and record["ddpcli"]["rank"] == 1
+
+
+@pytest.fixture(scope="module")
+def size_run(tmp_path_factory):
+    """Rank 2's all_reduce has 4 elements where the others' have 3: Gloo waits for the
+    missing bytes until --timeout (the shortest that still lets the job form)."""
+    return failed_run(tmp_path_factory.mktemp("size"), "size", "--timeout", "10")
+
+
+def test_the_kept_records_open_in_torchs_analyzer(size_run):
+    from torch.distributed.flight_recorder import fr_trace
+
+    out, _ = size_run
+    fr_trace.main([str(out / "collectives"), "--prefix", "rank_"])  # raises if it cannot
+
+
+def test_a_collective_of_another_size_on_one_rank(size_run):
+    _, stderr = size_run
+    said = verdict_lines(stderr)
+    line = marked_line("size")
+    assert re.search(
+        rf"rank 2 ran all_reduce float32\[4\] at \S*faulty\.py:{line} in forward\(\)", said
+    ), said
+    assert "the same collective with different sizes" in said
+
+
+@pytest.mark.parametrize("recorder", ["--flight-recorder", "--no-flight-recorder"])
+def test_a_parameter_unused_on_one_rank_says_find_unused_parameters(tmp_path, recorder):
+    out, stderr = failed_run(tmp_path, "unused", recorder)
+    said = verdict_lines(stderr)
+    assert "--find-unused-parameters" in said
+    if recorder == "--no-flight-recorder":
+        assert not (out / "collectives").exists()
+        assert "never issued" not in said
+    else:
+        assert re.search(r"rank 1 never issued #\d+", said), said
+
+
+def test_a_rank_that_never_reaches_the_collective_is_in_the_json_and_the_summary(tmp_path):
+    """Rank 2 waits a minute for each batch; ranks 0 and 1 give up at the collective after
+    --timeout. The report names rank 2 and where it was; the verdict, as data on stdout and
+    in summary.json, says the collective the others waited in, which it never issued."""
+    out = tmp_path / "run"
+    args = [*RUN[:-4], "--workers", "0", "--timeout", "5", "--arch", "tinycnn"]
+    result = run_cli(
+        "train", *args, "--out", str(out), "--json", env={"DDPCLI_SLOW_DATA": "2:60"},
+        timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 1, result.stderr[-3000:]
+    said = verdict_lines(result.stderr)
+    assert f"rank 2 on {socket.gethostname()} stopped responding" in said, said
+    assert "ddpcli/data/pipeline.py" in said
+    assert re.search(r"ranks 0 and 1 waited in .* \(#\d+\), which rank 2 never issued", said), said
+    document = json.loads(result.stdout)
+    verdict = document["verdict"]
+    assert verdict["cause"] == "never_reached" and verdict["odd"] == [2], verdict
+    assert verdict["behind"] == [2] and verdict["ranks"]["2"]["state"] == "behind"
+    assert verdict["sequence"] == verdict["last_agreed"] + 1
+    assert json.loads((out / "summary.json").read_text())["verdict"] == verdict
+
+
+def test_a_killed_rank_keeps_its_line_and_the_verdict_adds_what_it_died_after(tmp_path):
+    from test_faults import Background
+
+    out = tmp_path / "run"
+    args = [*RUN[:-4], "--workers", "0", "--arch", "tinycnn", "--synthetic-size", "4800"]
+    env = clean_env(DDPCLI_SLOW_DATA="2:0.2")  # the run stays mid-epoch while it is killed
+    with Background("train", *args, "--log-every", "1", "--out", str(out), env=env) as run:
+        run.wait_for("epoch 1/1 step 2/")
+        run.kill_worker(2)
+        code = run.finish(timeout=60)
+    said = verdict_lines(run.stderr)
+    assert code == 1, run.stderr[-3000:]
+    assert f"rank 2 on {socket.gethostname()} failed first: killed by SIGKILL" in said, said
+    # Ranks 0 and 1 (or the one of them that had its batch) waited in a collective for it.
+    match = re.search(r"waited in .* \(#(\d+)\) for rank 2; it completed #(\d+)", said)
+    assert match and int(match[2]) == int(match[1]) - 1, said
+    kept = sorted(path.name.split(".")[-1] for path in (out / "collectives").iterdir())
+    assert kept == ["rank_0", "rank_1"], kept  # a killed rank leaves no record
+
+
+@pytest.mark.parametrize("recorder", ["--flight-recorder", "--no-flight-recorder"])
+def test_a_plain_scripts_extra_collective_under_launch(tmp_path, recorder):
+    script = REPO / "tests" / "fixtures" / "faults" / "extra_collective.py"
+    logs = tmp_path / "logs"
+    args = ["--nproc", "3", "--log-dir", str(logs), recorder, str(script)]
+    result = run_cli("launch", *args, timeout=120)
+    assert result.returncode == 1, result.stderr[-3000:]
+    said = verdict_lines(result.stderr)
+    if recorder == "--no-flight-recorder":  # today's report: the rank Gloo aborted
+        assert f"rank 1 on {socket.gethostname()} failed first: killed by SIGABRT" in said
+        assert "ran all_reduce" not in said and not (logs / "collectives").exists()
+        return
+    extra, every = (
+        next(n for n, line in enumerate(script.read_text().splitlines(), 1) if marker in line)
+        for marker in ("# marker: extra", "# marker: every rank")
+    )
+    assert re.search(
+        rf"rank 1 ran all_reduce float32\[3\] at \S*extra_collective\.py:{extra} in <module>\(\) "
+        rf"\(#(\d+)\), where ranks 0 and 2 ran all_reduce float32\[256\] at "
+        rf"\S*extra_collective\.py:{every} in <module>\(\) \(#\1\)",
+        said,
+    ), said
+    assert len(list((logs / "collectives").iterdir())) == 3
