@@ -161,3 +161,40 @@ def test_a_plain_scripts_extra_collective_under_launch(tmp_path, recorder):
         said,
     ), said
     assert len(list((logs / "collectives").iterdir())) == 3
+
+
+@pytest.mark.netns
+def test_node_0_judges_from_the_records_another_node_left_in_the_shared_out(tmp_path):
+    """Two hosts (network namespaces), one rank each, one --out on the file system they
+    share. Rank 1, on the second host, runs the extra all_reduce; node 0 finds its record in
+    OUT/collectives and names it, with its line."""
+    from netns import two_hosts
+    from test_multinode import kill_namespace_processes, node_command, nodes
+
+    out = tmp_path / "run"
+    settings = [
+        "--cpu", *RUN[3:], "--arch", f"{FAULTS}:extra", "--model-arg", "odd_rank=1",
+        "--master-port", "29640",
+    ]  # fmt: skip
+    with two_hosts() as pair:
+        try:
+            master = pair.hosts[0]
+            commands = [
+                node_command(host, rank, master, out, *settings)
+                for rank, host in enumerate(pair.hosts)
+            ]
+            with nodes(commands, clean_env()) as (node0, node1):
+                codes = [node.finish(timeout=150) for node in (node0, node1)]
+        finally:
+            for host in pair.hosts:
+                kill_namespace_processes(host)
+    assert codes == [1, 1], (node0.stderr[-2000:], node1.stderr[-2000:])
+    said = verdict_lines(node0.stderr)
+    assert re.search(
+        rf"rank 1 ran all_reduce float32\[3\] at \S*faulty\.py:{marked_line('extra')} in "
+        r"forward\(\) \(#\d+\), where rank 0 ran DDP's gradient all_reduce",
+        said,
+    ), said
+    assert sorted(path.name.split(".")[-1] for path in (out / "collectives").iterdir()) == [
+        "rank_0", "rank_1",
+    ]  # fmt: skip
