@@ -198,3 +198,35 @@ def test_node_0_judges_from_the_records_another_node_left_in_the_shared_out(tmp_
     assert sorted(path.name.split(".")[-1] for path in (out / "collectives").iterdir()) == [
         "rank_0", "rank_1",
     ]  # fmt: skip
+
+
+def gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(gpu_count() < 2, reason="needs 2 GPUs")
+def test_on_nccl_an_extra_all_reduce_hangs_until_the_timeout_then_is_named(tmp_path):
+    """NCCL does not abort on a mismatched collective: the ranks hang until --timeout, when
+    its watchdog ends them; the records tell the same verdict as on Gloo, within the timeout
+    and a bounded margin."""
+    import time
+
+    out = tmp_path / "run"
+    args = [
+        "--gpus", "0,1", "--image-size", "16", "--per-gpu-batch", "4", "--synthetic-size", "96",
+        "--epochs", "1", "--timeout", "20", "--workers", "0", "--arch", f"{FAULTS}:extra",
+    ]  # fmt: skip
+    started = time.monotonic()
+    result = run_cli("train", *args, "--out", str(out), timeout=240)
+    took = time.monotonic() - started
+    assert result.returncode == 1, result.stderr[-3000:]
+    said = verdict_lines(result.stderr)
+    assert re.search(
+        rf"rank 1 ran all_reduce float32\[3\] at \S*faulty\.py:{marked_line('extra')} in "
+        r"forward\(\) \(#\d+\), where rank 0 ran DDP's gradient all_reduce",
+        said,
+    ), said
+    assert took < 20 + 90, f"{took:.0f} s"  # start-up, the timeout, the records' wait
