@@ -4,7 +4,7 @@ The recorder keeps a ring of each rank's last collectives (sequence number, op, 
 where Python issued it) at the cost of a few microseconds a collective. It is on when
 `TORCH_FR_BUFFER_SIZE` is set before the process group forms (`recorder_environment`; Gloo
 and NCCL alike in torch 2.14). A rank leaves its record in its launcher's records folder:
-- when it fails itself (a collective that timed out, a peer gone): `dump_record`;
+- when it fails itself (a collective that timed out, a peer gone): `dump_if_armed`;
 - when its agent asks, after another rank failed: a file the agent touches, which a small
   thread watches; the main thread may be inside a collective that never returns;
 - when Gloo aborts it for a mismatched collective (SIGABRT from one of Gloo's threads,
