@@ -115,6 +115,7 @@ def test_a_rank_that_never_reaches_the_collective_is_in_the_json_and_the_summary
     assert verdict["cause"] == "never_reached" and verdict["odd"] == [2], verdict
     assert verdict["behind"] == [2] and verdict["ranks"]["2"]["state"] == "behind"
     assert verdict["sequence"] == verdict["last_agreed"] + 1
+    assert verdict["progress"] == {"epoch": 1, "step": 1}  # rank 2 never had its first batch
     assert json.loads((out / "summary.json").read_text())["verdict"] == verdict
 
 

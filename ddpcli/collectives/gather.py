@@ -128,6 +128,7 @@ def judged(
             host=str(own(records.get(rank)).get("host", "")),
             dump=records.get(rank),
             stack=stopped_stack(stacks, rank) or own(records.get(rank)).get("stack"),
+            progress=own(records.get(rank)).get("progress"),
             ended="; ".join(filter(None, [endings.get(rank), own(records.get(rank)).get("error")]))
             or None,
         )

@@ -23,6 +23,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -86,7 +87,7 @@ def dump_record(folder: Path, rank: int, error: str | None = None, stacks: bool 
         return False
     record["ddpcli"] = {
         "host": socket.gethostname(), "rank": rank, "pid": os.getpid(), "error": error,
-        "stack": main_thread_stack(), "with_stacks": stacks,
+        "stack": main_thread_stack(), "with_stacks": stacks, "progress": progress_now(),
     }  # fmt: skip
     target = folder / record_name(rank)
     partial = target.with_name(f".{target.name}.{os.getpid()}")
@@ -164,6 +165,21 @@ def arm(folder: Path, rank: int) -> None:
     _recorder = Recorder(Path(folder), rank)
     _recorder.watch_requests()
     _recorder.dump_on_abort()
+
+
+# Where the rank's own loop is (ddpcli train's: epoch and step), read when it dumps.
+_progress: Callable[[], dict[str, int]] | None = None
+
+
+def follow_progress(progress: Callable[[], dict[str, int]]) -> None:
+    global _progress
+    _progress = progress
+
+
+def progress_now() -> dict[str, int] | None:
+    with contextlib.suppress(Exception):  # read from another thread, mid-step
+        return _progress() if _progress is not None else None
+    return None
 
 
 def dump_if_armed(error: BaseException) -> None:

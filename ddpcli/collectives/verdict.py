@@ -169,6 +169,7 @@ class Verdict:
             "elsewhere": list(self.elsewhere),
             "cause": self.cause,
             "detail": self.detail,
+            "progress": self.progress,  # the odd rank's epoch and step, where ddpcli's loop ran
             "last_agreed": self.last_agreed,
         }
 

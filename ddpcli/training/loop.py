@@ -21,6 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ddpcli import ui
 from ddpcli.checkpoint.schema import TrainingParts, TrainState
 from ddpcli.checkpoint.writer import write_metrics_history
+from ddpcli.collectives import record
 from ddpcli.config.plan import RunPlan
 from ddpcli.data.mixing import BatchMixing, build_mixing
 from ddpcli.data.pipeline import DataPath
@@ -102,6 +103,10 @@ class Trainer:
         decay = adjusted_decay(cfg.ema_decay, schedule.global_batch, cfg.ema_steps, cfg.epochs)
         return WeightAverage(unwrap(self.model), decay, cfg.ema_steps, schedule.warmup_steps)
 
+    def progress_now(self) -> dict[str, int]:
+        """Where the loop is, as a user counts: epoch and optimizer step from 1."""
+        return {"epoch": self.state.epoch + 1, "step": self.state.step + 1}
+
     # --- the run
     def fit(self) -> RunSummary:
         """The run trained: its last epoch's row, with the step breakdown of a finished run
@@ -112,6 +117,7 @@ class Trainer:
             return RunSummary(last_epoch=last)
         if self.ctx.is_main:  # each epoch once, even if the interrupted run wrote one more
             write_metrics_history(self.out / "metrics.jsonl", self.state.history)
+        record.follow_progress(self.progress_now)  # where the loop was, in a flight record
         self.steplog.start(self.state.step)  # first: the trackers start from its rows
         self.steplog.attach(self.start_trackers())
         self.announce()
