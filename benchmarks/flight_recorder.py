@@ -45,6 +45,7 @@ from collections import Counter
 from pathlib import Path
 
 from _bounded import run_bounded
+from _machine import cpu_cores, cpu_model
 
 ROOT = Path(__file__).resolve().parent.parent
 ON_ENTRIES = "2000"  # ddpcli.collectives.record.BUFFER_ENTRIES
@@ -442,19 +443,10 @@ def gpu_count() -> int:
 def machine_line() -> str:
     import torch
 
-    model = platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     gpus = gpu_count()
     gpu = f", {gpus} x {torch.cuda.get_device_name(0)}" if gpus else ""
     return (
-        f"{model}, {cores} cores{gpu}, torch {torch.__version__}, python "
+        f"{cpu_model()}, {cpu_cores()} cores{gpu}, torch {torch.__version__}, python "
         f"{platform.python_version()}, {datetime.date.today().isoformat()}"
     )
 

@@ -35,7 +35,6 @@ torch.utils.flop_counter (forward) x 3 for forward and backward.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import platform
@@ -48,6 +47,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from _bounded import run_bounded
+from _machine import cpu_cores, cpu_model
 
 ROOT = Path(__file__).resolve().parent.parent
 PEERS = Path(__file__).resolve().parent / "peers"
@@ -583,18 +583,10 @@ def print_decode(measured: dict) -> None:
         print(f"   {name:<36}{ms:8.3f}")
 
 
-def cpu_model() -> str:
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.machine()
-
-
 def machine_line(measured: dict) -> str:
     import torch
 
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = cpu_cores()
     gpu = "" if measured["device_name"] == cpu_model() else f"{measured['device_name']}; "
     return (
         f"{gpu}{cpu_model()}, {cores} cores; torch {torch.__version__}; "
@@ -634,7 +626,7 @@ def resolve_setup(args: argparse.Namespace) -> tuple[Setup, int]:
 
     gpus = 0 if args.cpu else torch.cuda.device_count()
     cpu = gpus == 0
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = cpu_cores()
     nproc = args.nproc or (2 if cpu else 1)
     max_nproc = args.max_nproc or (2 if cpu else gpus)
     precision = args.precision or ("fp32" if cpu else "bf16")

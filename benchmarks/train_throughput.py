@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from _bounded import run_bounded
+from _machine import cpu_cores, cpu_model
 
 ROOT = Path(__file__).resolve().parent.parent
 PEERS = Path(__file__).resolve().parent / "peers"
@@ -314,24 +315,10 @@ def print_tiny_table(results: Results, contenders: list[Contender], tiny: Work) 
 def machine_line() -> str:
     import torch
 
-    model = platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
     return (
-        f"{model}, {cpu_cores()} cores, torch {torch.__version__}, "
+        f"{cpu_model()}, {cpu_cores()} cores, torch {torch.__version__}, "
         f"python {platform.python_version()}, {datetime.date.today().isoformat()}"
     )
-
-
-def cpu_cores() -> int:
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
 
 
 # --- Main -----------------------------------------------------------------------------------
