@@ -27,6 +27,10 @@ class DdpcliError(Exception):
         # What --json says beside the message (the collective verdict: ddpcli.collectives).
         self.data = data
 
+    def document(self) -> dict:
+        """The failure as data: what --json prints and summary.json holds."""
+        return {"failed": self.message, "exit_code": self.exit_code, **(self.data or {})}
+
 
 def usage_error(message: str) -> DdpcliError:
     return DdpcliError(message, USAGE)

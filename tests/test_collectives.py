@@ -93,6 +93,8 @@ def test_a_parameter_unused_on_one_rank_says_find_unused_parameters(tmp_path, re
         assert "never issued" not in said
     else:
         assert re.search(r"rank 1 never issued #\d+", said), said
+        summary = json.loads((out / "summary.json").read_text())  # the agreed stop's, too
+        assert summary["verdict"]["cause"] == "unused_parameters" and summary["exit_code"] == 1
 
 
 def test_a_rank_that_never_reaches_the_collective_is_in_the_json_and_the_summary(tmp_path):

@@ -58,6 +58,8 @@ STREAMS = 3  # stdin, stdout, stderr
 
 
 def serve(socket_path: str) -> None:
+    # As ddpcli.process.collector_paused and freeze_imported_objects do; not called, since
+    # ddpcli is never imported here (its modules read the terminal as they load).
     gc.disable()  # imports allocate many objects and free few: the collector would only slow them
     for module in PRELOADED:
         importlib.import_module(module)

@@ -192,7 +192,7 @@ def launched_said_as_json(plan: RunPlan) -> RunSummary:
         return launched(plan)
     except DdpcliError as failed:
         if failed.data:
-            ui.print_json({"failed": failed.message, "exit_code": failed.exit_code, **failed.data})
+            ui.print_json(failed.document())
         raise
 
 

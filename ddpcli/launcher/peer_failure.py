@@ -62,30 +62,29 @@ class FailedWorkerHandling:
             with contextlib.suppress(OSError):  # its group may be empty already
                 os.killpg(pid, signal.SIGKILL)
         if failed and self.records is not None and not self.records_asked:
-            self.ask_for_records(self.records)
+            self.ask_for_records(self.records, failed)
         return super()._poll()  # type: ignore[misc]
 
-    def ask_for_records(self, records: Path) -> None:
-        """Before the others are stopped: each live rank's flight record, for the verdict on
-        where the ranks parted (a bounded wait: a dead rank leaves none)."""
+    def ask_for_records(self, records: Path, failed: list[int]) -> None:
+        """Before the others are stopped: each live rank's flight record (not the FAILED
+        workers'), for the verdict on where the ranks parted. A bounded wait: a rank stuck
+        where it cannot dump leaves none."""
         self.records_asked = True
         request_records(records)
-        await_records(records, self._live_ranks())
+        await_records(records, self._ranks_of_workers_but(set(failed)))
 
     def _close(self, death_sig: signal.Signals, timeout: int = 30) -> None:
         workers = self._worker_pids()
         super()._close(death_sig, timeout)  # type: ignore[misc]
         end_what_workers_left(workers)
 
-    def _live_ranks(self) -> list[int]:
-        """The global ranks of the workers still running."""
+    def _ranks_of_workers_but(self, pids: set[int]) -> list[int]:
+        """The global ranks of this node's workers, but those of PIDS."""
         envs: dict[int, dict[str, str]] = getattr(self, "envs", {})
-        failed = set(self._failed_worker_pids())
-        pids = self._worker_pids()
         return [
             int(envs[local_rank]["RANK"])
-            for local_rank, pid in enumerate(pids)
-            if pid not in failed and local_rank in envs and "RANK" in envs[local_rank]
+            for local_rank, pid in enumerate(self._worker_pids())
+            if pid not in pids and "RANK" in envs.get(local_rank, {})
         ]
 
     def _worker_pids(self) -> list[int]:

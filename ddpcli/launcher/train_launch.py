@@ -149,11 +149,12 @@ def _launch_elastic(cfg: RunPlan, debug: bool) -> RunSummary:
             return stop
         except DdpcliError as failed:  # a failed rank (a JobStopped is caught above)
             agreed = read_agreed_stop(Path(private) / AGREED_STOP_FILE)
+            said = failed if agreed is None else agreed_with_verdict(agreed, failed)
+            if said.data and cfg.node_rank == 0:  # the verdict, for a script to read
+                write_text_atomic(summary_file, ui.json_text(said.document()) + "\n")
             if agreed is None:
-                if failed.data and cfg.node_rank == 0:
-                    write_failure_summary(summary_file, failed)
                 raise
-            raise agreed_with_verdict(agreed, failed) from None
+            raise said from None
     if job.log_dir:
         ui.info(f"per-rank logs: {newest_run_log_dir(job.log_dir)}/attempt_N/<local rank>/")
     if cfg.node_rank == 0 and summary_file.exists():
@@ -167,13 +168,6 @@ def agreed_with_verdict(agreed: dict, failed: DdpcliError) -> DdpcliError:
     verdict = (failed.data or {}).get("verdict")
     lines = [f"  {line}" for line in verdict["lines"]] if verdict else []
     return DdpcliError("\n".join([agreed["failed"], *lines]), agreed["exit_code"], data=failed.data)
-
-
-def write_failure_summary(summary_file: Path, failed: DdpcliError) -> None:
-    """A run that failed with a verdict on its ranks' collectives: summary.json says what
-    failed and holds the verdict as data, for a script to read."""
-    document = {"failed": failed.message, "exit_code": failed.exit_code, **(failed.data or {})}
-    write_text_atomic(summary_file, ui.json_text(document) + "\n")
 
 
 def read_stop_record(summary_file: Path) -> RunSummary | None:
