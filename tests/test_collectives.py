@@ -11,6 +11,9 @@ import json
 import pickle
 import re
 import socket
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -166,15 +169,78 @@ def test_a_plain_scripts_extra_collective_under_launch(tmp_path, recorder):
     assert len(list((logs / "collectives").iterdir())) == 3
 
 
+def test_a_plain_scripts_record_has_its_lines_without_importing_inductor(tmp_path):
+    """torch asks torch._inductor of each frame it records; a script that never imported it
+    gets its record in milliseconds, its lines in it, and torch as it was."""
+    script = tmp_path / "one_rank.py"
+    script.write_text(
+        textwrap.dedent(f"""
+        import os, pickle, sys, time
+        from pathlib import Path
+        os.environ.update(TORCH_FR_BUFFER_SIZE="100", MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
+        import torch, torch.distributed as dist
+        from ddpcli.collectives.record import dump_record
+        store = dist.HashStore()
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+        dist.all_reduce(torch.ones(3))  # the line
+        started = time.monotonic()
+        assert dump_record(Path({str(tmp_path)!r}), 0)
+        took = time.monotonic() - started
+        print(took, "torch._inductor" in sys.modules, "_inductor" in vars(torch))
+        """)
+    )
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=60,
+        env=clean_env(), cwd=REPO,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    took, imported, attribute = done.stdout.split()
+    assert float(took) < 1.0 and imported == attribute == "False", done.stdout
+    record = pickle.loads((tmp_path / "rank_0").read_bytes())
+    lines = script.read_text().splitlines()
+    line = next(n for n, text in enumerate(lines, 1) if "the line" in text)
+    frames = record["entries"][0]["frames"]
+    assert any(f["filename"] == str(script) and f["line"] == line for f in frames), frames
+
+
+def test_a_node_that_cannot_send_its_records_to_node_0_says_so(tmp_path):
+    import datetime
+
+    import torch.distributed as dist
+
+    from ddpcli.errors import DdpcliError
+    from ddpcli.launcher.engine import WorkerJob, with_records_sent
+
+    record = tmp_path / "vm.rank_1"
+    record.write_bytes(pickle.dumps({"entries": [], "ddpcli": {"host": "vm", "rank": 1}}))
+    node0 = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    store = dist.TCPStore(
+        "127.0.0.1", node0.port, is_master=False, timeout=datetime.timedelta(seconds=5)
+    )
+    job = WorkerJob(module="m", args=[], nproc_per_node=1, nnodes=2, node_rank=1)
+    described = DdpcliError("rank 1 on vm failed first", 1)
+    assert with_records_sent(described, job, store, [record]) is described
+    assert node0.get("ddpcli/records/1") == record.read_bytes()
+    del node0  # node 0 has ended
+    said = with_records_sent(described, job, store, [record])
+    assert said.exit_code == 1 and said.message.startswith("rank 1 on vm failed first\n")
+    assert "node 1: could not send its ranks' flight records to node 0" in said.message
+    assert str(tmp_path) in said.message
+
+
 @pytest.mark.netns
-def test_node_0_judges_from_the_records_another_node_left_in_the_shared_out(tmp_path):
-    """Two hosts (network namespaces), one rank each, one --out on the file system they
-    share. Rank 1, on the second host, runs the extra all_reduce; node 0 finds its record in
-    OUT/collectives and names it, with its line."""
+@pytest.mark.parametrize("outs", ["shared", "own"])
+def test_node_0_judges_from_the_records_of_another_node(tmp_path, outs):
+    """Two hosts (network namespaces), one rank each; one --out on the file system they
+    share, or one each. Rank 1, on the second host, runs the extra all_reduce; node 0 finds
+    its record (left in the shared OUT/collectives, or posted on the nodes' store) and names
+    it, with its line."""
     from netns import two_hosts
     from test_multinode import kill_namespace_processes, node_command, nodes
 
-    out = tmp_path / "run"
+    node_outs = (
+        [tmp_path / "run"] * 2 if outs == "shared" else [tmp_path / "run0", tmp_path / "run1"]
+    )
     settings = [
         "--cpu", *RUN[3:], "--arch", f"{FAULTS}:extra", "--model-arg", "odd_rank=1",
         "--master-port", "29640",
@@ -183,7 +249,7 @@ def test_node_0_judges_from_the_records_another_node_left_in_the_shared_out(tmp_
         try:
             master = pair.hosts[0]
             commands = [
-                node_command(host, rank, master, out, *settings)
+                node_command(host, rank, master, node_outs[rank], *settings)
                 for rank, host in enumerate(pair.hosts)
             ]
             with nodes(commands, clean_env()) as (node0, node1):
@@ -198,9 +264,9 @@ def test_node_0_judges_from_the_records_another_node_left_in_the_shared_out(tmp_
         r"forward\(\) \(#\d+\), where rank 0 ran DDP's gradient all_reduce",
         said,
     ), said
-    assert sorted(path.name.split(".")[-1] for path in (out / "collectives").iterdir()) == [
-        "rank_0", "rank_1",
-    ]  # fmt: skip
+    kept = sorted(path.name for path in (node_outs[0] / "collectives").iterdir())
+    assert kept == [f"{socket.gethostname()}.rank_{rank}" for rank in (0, 1)], kept
+    assert "could not send" not in node1.stderr, node1.stderr[-2000:]
 
 
 def gpu_count() -> int:

@@ -3,31 +3,37 @@
 When a worker fails, its agent asks the node's other ranks for their records (a file in the
 records folder, which each rank's watcher sees) and waits a bounded time for them. Once the
 job has ended, each node's launcher copies its ranks' records into the run's `collectives/`
-folder, named `HOST.rank_N`: on a shared `--out` node 0 finds every node's there, and a node
-whose records never come is named as such in the verdict. torch's analyzer reads the folder
-as it is (`fr_trace FOLDER --prefix rank_`).
+folder, named `HOST.rank_N`, and the other nodes post theirs to node 0 on the store of the
+nodes' roll call: node 0 finds every node's records in its folder (posted, or left there by
+the others on a shared `--out`), and a node whose records never come is named as such in
+the verdict. torch's analyzer reads the folder as it is (`fr_trace FOLDER --prefix rank_`).
 """
 
 from __future__ import annotations
 
+import os
 import pickle
-import shutil
 import socket
 import time
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from ddpcli.collectives.record import RECORD_PREFIX, REQUEST_FILE, record_name
 from ddpcli.collectives.verdict import RankRecord, Verdict, decide
 from ddpcli.stacks import Frame, main_line, stack_file_name
 
-# How long the agent waits for its live ranks' records after one failed, and node 0 for
-# the other nodes' records to reach a shared --out. A rank's first dump imports
-# torch._inductor (torch reads it as it writes the stacks), seconds where DDP has not
-# imported it already (a plain script under `ddpcli launch`), more on a busy machine.
+if TYPE_CHECKING:
+    from torch.distributed import Store
+
+# How long the agent waits for its live ranks' records after one failed (a dump takes
+# milliseconds; a rank may be slow to see the request on a busy machine), and node 0 for
+# the other nodes' records to reach it (posted, or on a shared --out).
 RECORDS_WAIT_S = 10.0
 OTHER_NODES_WAIT_S = 5.0
 KEPT_FOLDER = "collectives"
+# A rank's record on node 0's store, posted by the rank's node.
+POSTED_PREFIX = "ddpcli/records/"
 
 
 def request_records(records: Path) -> None:
@@ -41,21 +47,12 @@ def clear_records(records: Path) -> None:
 
 
 def await_records(records: Path, ranks: list[int], wait_s: float = RECORDS_WAIT_S) -> None:
-    """Until the whole records of RANKS (the live ones) are in RECORDS, or WAIT_S passed (a
-    rank stuck where it cannot dump, or slow to find its stacks: its first record, without
-    them, is there)."""
+    """Until the records of RANKS (the live ones) are in RECORDS, or WAIT_S passed (a rank
+    stuck where it cannot dump)."""
     deadline = time.monotonic() + wait_s
     files = [records / record_name(rank) for rank in ranks]
-    while not all(map(is_whole, files)) and time.monotonic() < deadline:
+    while not all(file.exists() for file in files) and time.monotonic() < deadline:
         time.sleep(0.05)
-
-
-def is_whole(file: Path) -> bool:
-    """A record with the stacks of its collectives (a rank writes one without them first)."""
-    try:
-        return bool(pickle.loads(file.read_bytes()).get("ddpcli", {}).get("with_stacks"))
-    except (OSError, ValueError, pickle.UnpicklingError, EOFError):
-        return False
 
 
 def record_files(folder: Path) -> list[Path]:
@@ -73,14 +70,58 @@ def keep_records(records: Path, kept: Path) -> list[Path]:
     if files:
         kept.mkdir(parents=True, exist_ok=True)
     for file in files:
-        shutil.copyfile(file, kept / f"{host}.{file.name}")
+        write_whole(kept / f"{host}.{file.name}", file.read_bytes())
     return [kept / f"{host}.{file.name}" for file in files]
 
 
-def gathered(kept: Path, world_size: int, wait_s: float) -> dict[int, dict]:
-    """Every rank's record in KEPT, waiting up to WAIT_S for those of other nodes."""
+def write_whole(target: Path, content: bytes) -> None:
+    """TARGET with CONTENT, never half of it to a reader (node 0 reads a shared --out as the
+    other nodes write to it)."""
+    partial = target.with_name(f".{target.name}.{os.getpid()}")
+    partial.write_bytes(content)
+    os.replace(partial, target)
+
+
+def post_records(store: Store, files: list[Path]) -> None:
+    """This node's ranks' records (FILES) to node 0, on its STORE. Raises the store's error
+    (node 0 gone, say)."""
+    keys = [f"{POSTED_PREFIX}{rank_of(file)}" for file in files]
+    for key, file in zip(keys, files, strict=True):
+        record: Any = file.read_bytes()  # the store takes bytes as well as str
+        store.set(key, record)
+    store.check(keys)  # a set is sent, not answered: this one is, or raises
+
+
+def take_posted(store: Store, kept: Path, world_size: int) -> None:
+    """The records other nodes posted to STORE and KEPT lacks, written into KEPT as a
+    shared --out would have them."""
+    have = {rank_of(file) for file in record_files(kept)}
+    for rank in set(range(world_size)) - have:
+        key = f"{POSTED_PREFIX}{rank}"
+        if not store.check([key]):
+            continue
+        posted = store.get(key)
+        try:
+            host = own(pickle.loads(posted)).get("host") or "node"
+        except (ValueError, pickle.UnpicklingError, EOFError):
+            continue
+        write_whole(kept / f"{host}.{record_name(rank)}", posted)
+
+
+def gathered(
+    kept: Path, world_size: int, wait_s: float, store: Store | None = None
+) -> dict[int, dict]:
+    """Every rank's record in KEPT, waiting up to WAIT_S for those of other nodes (in KEPT
+    itself, a shared folder, or posted on STORE)."""
     deadline = time.monotonic() + wait_s
-    while len(record_files(kept)) < world_size and time.monotonic() < deadline:
+    while True:
+        if store is not None:
+            try:
+                take_posted(store, kept, world_size)
+            except RuntimeError:  # the store is gone: what KEPT holds is all there is
+                store = None
+        if len(record_files(kept)) >= world_size or time.monotonic() >= deadline:
+            break
         time.sleep(0.1)
     found: dict[int, dict] = {}
     for file in record_files(kept):
@@ -112,13 +153,14 @@ def judged(
     endings: Mapping[int, str],
     stacks: Path | None,
     other_nodes: bool,
+    store: Store | None = None,
 ) -> Verdict | list[int] | None:
     """The verdict on the records in KEPT; or the ranks of which nothing is known (their
-    node's records never came: no shared --out); or None when the records show no
-    disagreement. ENDINGS: how each rank of this node that failed ended, in words; STACKS:
-    where this node's stopped ranks were; OTHER_NODES: records from other nodes may still be
-    on their way."""
-    records = gathered(kept, world_size, OTHER_NODES_WAIT_S if other_nodes else 0.0)
+    node's records never came); or None when the records show no disagreement. ENDINGS: how
+    each rank of this node that failed ended, in words; STACKS: where this node's stopped
+    ranks were; OTHER_NODES: records from other nodes may still be on their way, to KEPT or
+    to STORE."""
+    records = gathered(kept, world_size, OTHER_NODES_WAIT_S if other_nodes else 0.0, store)
     unknown = [rank for rank in range(world_size) if rank not in records and rank not in endings]
     if unknown and other_nodes:
         return unknown

@@ -23,7 +23,8 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
+import types
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -69,17 +70,16 @@ def repaired_dump(dump: dict) -> dict:
     return {**dump, "pg_config": config}
 
 
-def dump_record(folder: Path, rank: int, error: str | None = None, stacks: bool = True) -> bool:
+def dump_record(folder: Path, rank: int, error: str | None = None) -> bool:
     """This rank's record, written whole into FOLDER (a reader never sees half of one), with
     the ERROR it failed on, if any; False if there is none (the recorder is off, or no
-    collective ran). STACKS: with where Python issued each collective. torch finds those
-    through torch._inductor, which its first dump imports where DDP did not already (a plain
-    script): seconds. So a rank dumps twice, at once without them, then with them."""
+    collective ran)."""
     from torch._C import _distributed_c10d
 
     try:
         dump_trace: Any = getattr(_distributed_c10d, "_dump_fr_trace")  # noqa: B009 - untyped
-        raw = dump_trace(True, stacks, False)
+        with inductor_stand_in():
+            raw = dump_trace(True, True, False)  # with where Python issued each collective
     except (RuntimeError, AttributeError):
         return False
     record = repaired_dump(pickle.loads(raw))
@@ -87,13 +87,36 @@ def dump_record(folder: Path, rank: int, error: str | None = None, stacks: bool 
         return False
     record["ddpcli"] = {
         "host": socket.gethostname(), "rank": rank, "pid": os.getpid(), "error": error,
-        "stack": main_thread_stack(), "with_stacks": stacks, "progress": progress_now(),
+        "stack": main_thread_stack(), "progress": progress_now(),
     }  # fmt: skip
     target = folder / record_name(rank)
     partial = target.with_name(f".{target.name}.{os.getpid()}")
     partial.write_bytes(pickle.dumps(record))
     os.replace(partial, target)
     return True
+
+
+@contextlib.contextmanager
+def inductor_stand_in() -> Iterator[None]:
+    """torch asks `torch._inductor.codecache.PyCodeCache` of each frame it writes whether
+    inductor generated its code. Where torch._inductor was never imported (a plain script:
+    DDP imports it, through torch._dynamo) it generated none, and the question would import
+    it: seconds of a dying rank's time, more on a busy machine. A stand-in answers "no" for
+    the length of the dump."""
+    import torch
+
+    if "torch._inductor" in sys.modules:
+        yield
+        return
+    no_code = types.SimpleNamespace(stack_frames_for_code=lambda path, line: None)
+    stand_in = types.SimpleNamespace(codecache=types.SimpleNamespace(PyCodeCache=no_code))
+    attributes = vars(torch)
+    attributes["_inductor"] = stand_in
+    try:
+        yield
+    finally:
+        if attributes.get("_inductor") is stand_in:  # a real import since replaced it: kept
+            del attributes["_inductor"]
 
 
 def main_thread_stack() -> list[dict]:
@@ -118,7 +141,6 @@ class Recorder:
     def dump(self, error: str | None = None) -> None:
         if self._dumped.acquire(blocking=False):
             with contextlib.suppress(Exception):  # the rank's own failure matters more
-                dump_record(self.folder, self.rank, error, stacks=False)
                 dump_record(self.folder, self.rank, error)
 
     def watch_requests(self) -> None:

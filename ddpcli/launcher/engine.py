@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ddpcli.collectives.gather import judged, keep_records
+from ddpcli.collectives.gather import judged, keep_records, post_records
 from ddpcli.collectives.record import RECORD_PREFIX, RECORDS_FOLDER_VARIABLE, recorder_environment
 from ddpcli.config import ScriptLaunchConfig, TrainConfig
 from ddpcli.config.eval import EvalConfig
@@ -272,11 +272,12 @@ def run_workers(job: WorkerJob, debug: bool = False) -> None:
         server = stack.enter_context(fork_server(job.module)) if job.fork else None
         # Elastic hosts have no node rank to answer a roll call by: the rendezvous bounds them.
         static_nodes = job.nnodes > 1 and job.rendezvous is None
-        store = roll_call(job) if static_nodes else None  # noqa: F841 - keeps the server alive
+        # Node 0 hosts it (kept alive here), and the others post their records to it.
+        store = roll_call(job) if static_nodes else None
         scratch = stack.enter_context(tempfile.TemporaryDirectory(prefix="ddpcli-agent-"))
         stacks = stacks_folder(job, Path(scratch))
         job = with_flight_recorder(job, Path(scratch))
-        start_workers(job, launch_config(job, scratch), server, stacks)
+        start_workers(job, launch_config(job, scratch), server, stacks, store)
 
 
 def with_flight_recorder(job: WorkerJob, scratch: Path) -> WorkerJob:
@@ -315,11 +316,16 @@ def quiet_elastic_logs() -> None:
 
 
 def start_workers(
-    job: WorkerJob, config: LaunchConfig, fork_server_pid: str | None, stacks: Path | None = None
+    job: WorkerJob,
+    config: LaunchConfig,
+    fork_server_pid: str | None,
+    stacks: Path | None = None,
+    store: Store | None = None,
 ) -> None:
     """Run the job's workers, forked from the fork server FORK_SERVER_PID or started as
     new interpreters; a failure to start or finish becomes a DdpcliError (which says where
-    stopped workers were, from the stacks they left in STACKS)."""
+    stopped workers were, from the stacks they left in STACKS, and where the ranks'
+    collectives parted, from the records that reach node 0, some on the nodes' STORE)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
@@ -337,7 +343,7 @@ def start_workers(
                 elastic_launch(config, sys.executable)("-m", job.module, *job.args)
         except ChildFailedError as failure:
             in_words = failure_in_words(job, failure, stacks, attempts.made)
-            raise with_verdict(in_words, job, failure, records, stacks) from None
+            raise with_verdict(in_words, job, failure, records, stacks, store) from None
         except SignalException as received:
             raise JobStopped(received.sigval) from None
         except Exception as error:  # rendezvous errors: the world never formed
@@ -371,29 +377,31 @@ def with_verdict(
     failure: ChildFailedError,
     records: Path | None,
     stacks: Path | None,
+    store: Store | None = None,
 ) -> DdpcliError:
     """Where the ranks' collectives parted and why, when their records (kept in the run's
-    collectives/ folder) show it; else DESCRIBED."""
+    collectives/ folder) show it; else DESCRIBED. Node 0 judges, from every node's records
+    that reach it (on STORE, the nodes' roll call's, or a shared --out); the others send
+    theirs."""
     if records is None or job.records_kept_in is None:
         return described
     if described.exit_code == USAGE or failed_of_itself(failure.failures):
         return described  # the rank's own error, quoted, is the news
     kept = job.records_kept_in
     kept_here = keep_records(records, kept)
-    # Node 0 judges, from every node's records that reach it (a shared --out); the others
-    # leave theirs.
     judge_here = job.nnodes == 1 or (job.node_rank == 0 and job.rendezvous is None)
+    if kept_here and not judge_here and store is not None:
+        return with_records_sent(described, job, store, kept_here)
     if not kept_here or not judge_here:
         return described
     world_size = job.nproc_per_node * job.nnodes
     endings = {rank: ending_in_words(ended) for rank, ended in failure.failures.items()}
-    verdict = judged(kept, world_size, endings, stacks, other_nodes=job.nnodes > 1)
+    verdict = judged(kept, world_size, endings, stacks, other_nodes=job.nnodes > 1, store=store)
     if isinstance(verdict, list):
         unseen = ", ".join(map(str, verdict))
         return DdpcliError(
             f"{described.message}\n  no verdict on the ranks' collectives: the records of "
-            f"rank(s) {unseen} (other nodes) did not reach {kept} (a folder on a file system every "
-            "node shares gathers them)",
+            f"rank(s) {unseen} (other nodes) did not reach node 0 (see those nodes' output)",
             described.exit_code,
         )
     if verdict is None:
@@ -413,6 +421,23 @@ def with_verdict(
         head, rest = said[:1], said[1:]
     message = "\n".join([*head, *(f"  {line}" for line in rest)])
     return DdpcliError(message, described.exit_code, data=data)
+
+
+def with_records_sent(
+    described: DdpcliError, job: WorkerJob, store: Store, files: list[Path]
+) -> DdpcliError:
+    """DESCRIBED, once this node's records (FILES) are posted to node 0 on STORE; with a
+    line that says so when they cannot be (node 0 gone)."""
+    try:
+        post_records(store, files)
+        return described
+    except RuntimeError as error:
+        return DdpcliError(
+            f"{described.message}\n  node {job.node_rank}: could not send its ranks' flight "
+            f"records to node 0 ({first_line(error)}); they are in {files[0].parent}",
+            described.exit_code,
+            data=described.data,
+        )
 
 
 def never_formed(job: WorkerJob, error: Exception) -> DdpcliError | None:
