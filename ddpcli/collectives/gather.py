@@ -11,9 +11,11 @@ the verdict. torch's analyzer reads the folder as it is (`fr_trace FOLDER --pref
 
 from __future__ import annotations
 
+import datetime
 import os
 import pickle
 import socket
+import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -82,14 +84,28 @@ def write_whole(target: Path, content: bytes) -> None:
     os.replace(partial, target)
 
 
-def post_records(store: Store, files: list[Path]) -> None:
-    """This node's ranks' records (FILES) to node 0, on its STORE. Raises the store's error
-    (node 0 gone, say)."""
-    keys = [f"{POSTED_PREFIX}{rank_of(file)}" for file in files]
-    for key, file in zip(keys, files, strict=True):
-        record: Any = file.read_bytes()  # the store takes bytes as well as str
-        store.set(key, record)
-    store.check(keys)  # a set is sent, not answered: this one is, or raises
+def post_records(store: Store, files: list[Path], wait_s: float = OTHER_NODES_WAIT_S) -> str | None:
+    """This node's ranks' records (FILES) posted to node 0 on its STORE, within WAIT_S (node 0
+    waits as long for them); None once they are, else why not (node 0 gone, or unreachable:
+    a send to a host cut off blocks, so it is left to a thread the process does not wait for)."""
+    failure: list[str] = [f"no answer from node 0 within {wait_s:g}s"]
+
+    def post() -> None:
+        keys = [f"{POSTED_PREFIX}{rank_of(file)}" for file in files]
+        try:
+            store.set_timeout(datetime.timedelta(seconds=wait_s))
+            for key, file in zip(keys, files, strict=True):
+                record: Any = file.read_bytes()  # the store takes bytes as well as str
+                store.set(key, record)
+            store.check(keys)  # a set is sent, not answered: this one is, or raises
+            failure.clear()
+        except (RuntimeError, OSError) as error:
+            failure[:] = [str(error).strip().splitlines()[0] if str(error).strip() else repr(error)]
+
+    sender = threading.Thread(target=post, name="ddpcli-post-records", daemon=True)
+    sender.start()
+    sender.join(wait_s)
+    return failure[0] if failure else None
 
 
 def take_posted(store: Store, kept: Path, world_size: int) -> None:

@@ -427,17 +427,16 @@ def with_records_sent(
     described: DdpcliError, job: WorkerJob, store: Store, files: list[Path]
 ) -> DdpcliError:
     """DESCRIBED, once this node's records (FILES) are posted to node 0 on STORE; with a
-    line that says so when they cannot be (node 0 gone)."""
-    try:
-        post_records(store, files)
+    line that says so when they cannot be (node 0 gone or cut off)."""
+    failure = post_records(store, files)
+    if failure is None:
         return described
-    except RuntimeError as error:
-        return DdpcliError(
-            f"{described.message}\n  node {job.node_rank}: could not send its ranks' flight "
-            f"records to node 0 ({first_line(error)}); they are in {files[0].parent}",
-            described.exit_code,
-            data=described.data,
-        )
+    return DdpcliError(
+        f"{described.message}\n  node {job.node_rank}: could not send its ranks' flight "
+        f"records to node 0 ({failure}); they are in {files[0].parent}",
+        described.exit_code,
+        data=described.data,
+    )
 
 
 def never_formed(job: WorkerJob, error: Exception) -> DdpcliError | None:
