@@ -500,7 +500,10 @@ def test_powersgd_start_step_without_powersgd_is_refused_as_momentum_with_adamw_
         ('lr = "0.1"', "invalid --lr: must be a valid number (got '0.1')"),
         ("lr = false", "invalid --lr: must be a valid number (got False)"),
         ('betas = ["0.9", 0.99]', "invalid --betas: must be a valid number (got '0.9')"),
-        ('per_gpu_batch = "32"', "invalid --per-gpu-batch: must be a valid integer (got '32')"),
+        (
+            'per_gpu_batch = "32"',
+            "invalid --per-gpu-batch: must be a valid integer, or \"auto\" (got '32')",
+        ),
     ],
 )
 def test_a_recipe_value_of_the_wrong_type_is_refused_not_converted(tmp_path, line, said):

@@ -57,7 +57,7 @@ def test_the_header_line_states_rule_and_result():
 def test_the_rate_comes_from_the_world_the_worker_has():
     request = TrainConfig(arch="resnet18", cpu=True, nproc=2, per_gpu_batch=32, accumulate=2)
     cfg = plan_run(request, None)
-    assert cfg.global_batch == 128 and cfg.peak_lr_at(cfg.world_size) == 0.05
+    assert cfg.planned_global_batch == 128 and cfg.peak_lr_at(cfg.world_size) == 0.05
     # Under torchrun with 8 processes the config still says --nproc 2; the worker's world wins.
     assert cfg.global_batch_at(8) == 512 and cfg.peak_lr_at(8) == 0.2
 

@@ -29,7 +29,7 @@ def test_the_per_node_settings_are_the_launchers_lists():
     assert set(settings_of_kind(RunPlan, PER_NODE)) == {
         "node_rank", "gpus", "data_dir", "data_path", "workers", "download", "out", "resume",
         "log_dir", "trace_samples", "ifname", "master_addr", "master_port", "init_method",
-        "timeout", "world_from", "precision_reason", "slow_data", "resume_checked",
+        "timeout", "world_from", "precision_reason", "slow_data", "resume_checked", "fake_oom",
     }  # fmt: skip
     assert set(settings_of_kind(EvalConfig, PER_NODE)) == {
         "checkpoint", "data_dir", "out", "node_rank", "gpus", "workers", "ifname", "master_addr",
@@ -47,7 +47,7 @@ def test_the_settings_a_resume_compares_are_those_that_change_the_result():
         "augment", "norm_weight_decay", "sync_bn", "ema", "ema_decay", "ema_steps",
         "mixup_alpha", "cutmix_alpha", "auto_augment", "random_erase", "ra_reps",
         "train_crop_size", "val_resize_size", "val_crop_size", "grad_compression",
-        "powersgd_start_step",
+        "powersgd_start_step", "global_batch",
     }  # fmt: skip
     assert settings_of_kind(TrainConfig, CHANGES_RESULT) == RESULT_SETTINGS
     assert "max_steps" not in RESULT_SETTINGS  # where a run stops; a resume may change it

@@ -67,6 +67,11 @@ class TrainState:
     # Each experiment tracker's run id (`--tracker mlflow`: its MLflow run), set on rank 0:
     # every resume continues those runs.
     tracker_runs: dict[str, str] = field(default_factory=dict)
+    # --per-gpu-batch auto: the micro-batch the run steps with, and the devices it was found
+    # on ("3 x cpu", "8 x NVIDIA H200"): a resume on the same ones keeps it, any other
+    # searches again (ddpcli.training.microbatch).
+    micro_batch: int | None = None
+    micro_batch_on: str | None = None
 
 
 @dataclass
@@ -119,6 +124,8 @@ def training_payload(
         "partial_sums": state.partial_sums,
         "stream_position": state.stream_position,
         "tracker_runs": dict(state.tracker_runs),
+        "micro_batch": state.micro_batch,
+        "micro_batch_on": state.micro_batch_on,
         "world_size": ctx.world_size,
         "num_classes": num_classes,
         "classes": list(classes) if classes is not None else None,
@@ -159,6 +166,8 @@ def restore_training(
         partial_sums=payload.get("partial_sums"),
         stream_position=payload.get("stream_position"),
         tracker_runs=dict(payload.get("tracker_runs") or {}),
+        micro_batch=payload.get("micro_batch"),
+        micro_batch_on=payload.get("micro_batch_on"),
     )
 
 

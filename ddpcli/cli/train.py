@@ -55,6 +55,7 @@ def train(
     epochs: model.Epochs = None,
     per_gpu_batch: model.PerGpuBatch = None,
     accumulate: model.Accumulate = None,
+    global_batch: model.GlobalBatch = None,
     lr: model.Lr = None,
     lr_base_batch: model.LrBaseBatch = None,
     lr_scaling: model.LrScaling = None,
@@ -260,7 +261,9 @@ def show_config(plan: RunPlan, json_output: bool) -> None:
     """The dry run's answer: the plan, its world and global batch, and what the model check
     found (model_facts, which config.json never holds)."""
     document = plan.model_dump(mode="json")
-    document.update(world_size=plan.world_size, global_batch=plan.global_batch, **plan.model_facts)
+    document.update(
+        world_size=plan.world_size, global_batch=plan.planned_global_batch, **plan.model_facts
+    )
     if json_output:
         ui.print_json(document)
         return

@@ -36,6 +36,10 @@ class RunFacts(BaseModel):
     # batch (ddpcli.training.settle); the checkpoint keeps it, so that the next restart at the
     # same world keeps the policy's value.
     requested_accumulate: Annotated[int | None, Resolved("set accumulate")] = None
+    # --per-gpu-batch auto, planned: per_gpu_batch holds each process's share of the global
+    # batch (accumulate 1), which each rank runs in micro-batches that fit its device
+    # (ddpcli.training.microbatch).
+    batch_auto: Annotated[bool, Resolved('set per_gpu_batch = "auto"')] = False
     # The --resume file as the launcher found it when it checked its SHA-256
     # (ddpcli.checkpoint.loading.file_stamp): a rank that finds that same file does not read
     # it all again to hash it.

@@ -23,6 +23,7 @@ class RunPlan(RunFacts, TrainConfig):
     """The request's settings, settled (what was "auto", None, has its value), and what the
     run found (RunFacts). Frozen, as the request is."""
 
+    per_gpu_batch: int  # with batch_auto: each process's share of the global batch
     arch: str
     image_size: int
     augment: Literal["rrc", "crop-flip", "none"]

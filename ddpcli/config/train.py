@@ -69,6 +69,15 @@ TRACE_SAMPLES_VARIABLE = "DDPCLI_TRACE_SAMPLES"
 # DDPCLI_SLOW_DATA=RANK:SECONDS: rank RANK waits SECONDS more for each training batch. A
 # straggler made on purpose, to see (and test) what the run reports about it.
 SLOW_DATA_VARIABLE = "DDPCLI_SLOW_DATA"
+# DDPCLI_FAKE_OOM=RANK:PHASE:BATCH[:STEP],...: rank RANK raises torch.OutOfMemoryError in
+# PHASE (forward, backward or step) whenever its micro-batch is BATCH or more, once STEP
+# optimizer steps are done (0: from the start, the batch search included). An out-of-memory
+# made on purpose, to test on the CPU what --per-gpu-batch auto does with a real one.
+FAKE_OOM_VARIABLE = "DDPCLI_FAKE_OOM"
+OOM_PHASES = ("forward", "backward", "step")
+# --per-gpu-batch's default, and what --per-gpu-batch auto's global batch is made of when
+# --global-batch is not given.
+DEFAULT_PER_GPU_BATCH = 64
 # Below a second no rank can even join: init and every collective are bounded by --timeout.
 MIN_TIMEOUT_S = 1.0
 
@@ -317,8 +326,13 @@ class TrainConfig(Membership, CommandConfig):
         "number of classes (fine-tuning)",
     )
     epochs: Annotated[int, CHANGES_RESULT] = Field(5, ge=1)
-    per_gpu_batch: Annotated[int, CHANGES_RESULT] = Field(64, ge=1)
+    # "auto": the micro-batch is searched on each rank's device, and the global batch kept
+    # (ddpcli.training.microbatch).
+    per_gpu_batch: Annotated[int | Literal["auto"], CHANGES_RESULT] = DEFAULT_PER_GPU_BATCH
     accumulate: Annotated[int, CHANGES_RESULT] = Field(1, ge=1)
+    # One optimizer step's images over every rank: --accumulate follows from it (or, with
+    # --per-gpu-batch auto, each process's share); None: per-gpu-batch x world x accumulate.
+    global_batch: Annotated[int | None, CHANGES_RESULT] = Field(None, ge=1)
     lr: Annotated[float | None, CHANGES_RESULT] = Field(
         None, gt=0
     )  # None: default_lr(arch), set once the arch is known
@@ -456,6 +470,10 @@ class TrainConfig(Membership, CommandConfig):
     trace_samples: Annotated[Path | None, PER_NODE, FROM_ENVIRONMENT] = None
     # debugging: (rank, seconds) from DDPCLI_SLOW_DATA, a rank slowed on purpose
     slow_data: Annotated[tuple[int, float] | None, PER_NODE, FROM_ENVIRONMENT] = None
+    # testing: (rank, phase, batch, step) from DDPCLI_FAKE_OOM, out-of-memory on purpose
+    fake_oom: Annotated[list[tuple[int, str, int, int]], PER_NODE, FROM_ENVIRONMENT] = Field(
+        default_factory=list
+    )
     # Where the world came from, in words, for the run's header: a pod's variables say it
     # (build_train_config), the plan completes it (ddpcli.launcher.plan).
     world_from: Annotated[str | None, PER_NODE, FROM_ENVIRONMENT] = None
@@ -521,6 +539,19 @@ class TrainConfig(Membership, CommandConfig):
         missing = {key: value for key, value in defaults.items() if data.get(key) is None}
         return {**data, **missing}
 
+    @field_validator("per_gpu_batch", mode="before")
+    @classmethod
+    def _batch_or_auto(cls, value: Any) -> Any:
+        if value == "auto" or (isinstance(value, int) and not isinstance(value, bool)):
+            if value == "auto" or value >= 1:
+                return value
+        elif isinstance(value, str) and value.isdigit() and int(value) >= 1:
+            return int(value)
+        raise ValueError(
+            "give a number of images of at least 1, or auto (the largest micro-batch that "
+            "fits each GPU, the global batch kept)"
+        )
+
     @field_validator("timeout")
     @classmethod
     def _timeout_floor(cls, value: float) -> float:
@@ -572,6 +603,7 @@ class TrainConfig(Membership, CommandConfig):
                 "invalid --bucket-cap-mb: with --compile, torch's DDP optimizer needs buckets of "
                 "at least 1 MB (its first bucket's size); raise it or drop --compile"
             )
+        check_batch_auto(self)
         if self.static_graph and self.accumulate > 1:
             raise ValueError(
                 "invalid --static-graph: torch's DDP fails an internal assertion when a step "
@@ -611,12 +643,14 @@ class TrainConfig(Membership, CommandConfig):
         return self.nproc_per_node * self.nnodes
 
     @property
-    def global_batch(self) -> int:
+    def planned_global_batch(self) -> int:
         return self.global_batch_at(self.world_size)
 
     def global_batch_at(self, world_size: int, micro_batches_per_epoch: int | None = None) -> int:
         """Under torchrun the world comes from the launcher, not from --nproc/--gpus; an
         epoch of fewer micro-batches than --accumulate caps what one step holds."""
+        if self.per_gpu_batch == "auto":  # the request, before the plan shares it out
+            return self.global_batch or DEFAULT_PER_GPU_BATCH * world_size * self.accumulate
         return global_batch_of(
             self.per_gpu_batch, world_size, self.accumulate, micro_batches_per_epoch
         )
@@ -643,6 +677,27 @@ class TrainConfig(Membership, CommandConfig):
         if not isinstance(self.data_dir, Path):
             raise RuntimeError(f"TrainConfig.data_dir read, but --dataset {self.dataset} has none")
         return self.data_dir
+
+
+def check_batch_auto(cfg: TrainConfig) -> None:
+    """What --per-gpu-batch auto cannot keep safe: it runs every micro-batch without a
+    collective, so that a rank out of memory can still join the ranks' agreement."""
+    if cfg.per_gpu_batch != "auto":
+        return
+    refused = {
+        "strategy": cfg.strategy != "ddp" and f"--strategy {cfg.strategy} is one process",
+        "sync_bn": cfg.sync_bn and "SyncBatchNorm's collectives run inside the forward pass",
+        "grad_compression": cfg.grad_compression != "none"
+        and "auto all-reduces the gradients itself, after the ranks agree the step fitted",
+        "static_graph": cfg.static_graph and "auto runs the backward pass under no_sync",
+    }
+    for name, reason in refused.items():
+        if reason:
+            flag = name.replace("_", "-")
+            raise ValueError(
+                f"invalid --{flag}: not with --per-gpu-batch auto ({reason}); drop --{flag}, "
+                "or give --per-gpu-batch a number"
+            )
 
 
 def check_grad_compression(grad_compression: str, strategy: str, precision: str) -> None:
@@ -696,8 +751,13 @@ def check_recipe_types(settings: dict[str, Any], recipe: Path | None) -> None:
     """A flag's type is Typer's to check; a recipe's, as strictly, here: every setting of it,
     those a flag overrides too (the file is wrong whatever the flags beside it, and the next
     run without that flag would meet the value)."""
+    batch = settings.get("per_gpu_batch")
     try:
-        check_strict_types(TrainConfig, settings, text_forms=("nnodes",))
+        if isinstance(batch, str) and batch != "auto":  # the one text it takes is auto
+            raise usage_error(
+                f'invalid --per-gpu-batch: must be a valid integer, or "auto" (got {batch!r})'
+            )
+        check_strict_types(TrainConfig, settings, text_forms=("nnodes", "per_gpu_batch"))
     except DdpcliError as error:
         raise with_origins(error, dict.fromkeys(settings, f"recipe {recipe}")) from None
 
@@ -814,6 +874,23 @@ def train_setting_origins(flags: dict[str, Any], recipe: Path | None) -> dict[st
     return setting_origins(load_recipe(recipe) if recipe else {}, given(flags), recipe)
 
 
+def parse_fake_oom(text: str) -> list[tuple[int, str, int, int]]:
+    """DDPCLI_FAKE_OOM's RANK:PHASE:BATCH[:STEP] entries, comma-separated."""
+    parsed = []
+    for entry in text.split(","):
+        fields = entry.strip().split(":")
+        ok = len(fields) in (3, 4) and fields[1] in OOM_PHASES
+        ok = ok and all(field.isdigit() for field in fields[:1] + fields[2:])
+        if not ok or int(fields[2]) < 1:
+            raise usage_error(
+                f"invalid {FAKE_OOM_VARIABLE}: give RANK:PHASE:BATCH[:STEP], PHASE one of "
+                f"{', '.join(OOM_PHASES)}, e.g. 1:backward:32:5 (got {entry!r})"
+            )
+        step = int(fields[3]) if len(fields) == 4 else 0
+        parsed.append((int(fields[0]), fields[1], int(fields[2]), step))
+    return parsed
+
+
 def parse_slow_data(text: str) -> tuple[int, float]:
     rank, _, seconds = text.partition(":")
     try:
@@ -858,6 +935,8 @@ def build_train_config(
         values["world_from"] = describe_pod(pod)
     if env.get(SLOW_DATA_VARIABLE):
         values.setdefault("slow_data", parse_slow_data(env[SLOW_DATA_VARIABLE]))
+    if env.get(FAKE_OOM_VARIABLE):
+        values.setdefault("fake_oom", parse_fake_oom(env[FAKE_OOM_VARIABLE]))
     tracking_defaults(values, recipe, env)
     check_recipe_types(from_recipe, recipe)
     try:

@@ -16,7 +16,7 @@ from typing import Any
 from ddpcli.config import TrainConfig
 from ddpcli.config.common import elastic_rendezvous
 from ddpcli.config.plan import RunPlan
-from ddpcli.config.train import scaled_lr
+from ddpcli.config.train import global_batch_of, scaled_lr
 from ddpcli.data.layout import STL10_SIDE, check_data_source, resize_side, training_augment
 from ddpcli.environments import LauncherEnv, check_meeting_place, left_aside
 from ddpcli.environments.world import DEFAULT_MASTER_PORT
@@ -110,11 +110,40 @@ def checked_settings(
     resolved = TrainConfig(**values)
     world_size = launcher.world_size if launcher is not None else resolved.world_size
     check_ra_reps(resolved.ra_reps, world_size)
-    settled = resolved.model_dump()
+    settled = {**resolved.model_dump(), **planned_batch(resolved, world_size)}
     # What --dry-run shows; every rank settles it again from the world it joined.
-    global_batch = resolved.global_batch_at(world_size)
+    global_batch = global_batch_of(settled["per_gpu_batch"], world_size, settled["accumulate"])
     peak_lr = scaled_lr(settled["lr"], global_batch, resolved.lr_base_batch, settled["lr_scaling"])
     return {**settled, "peak_lr": peak_lr}
+
+
+def planned_batch(cfg: TrainConfig, world_size: int) -> dict[str, Any]:
+    """--global-batch shared out: the --accumulate that makes it of --per-gpu-batch; with
+    --per-gpu-batch auto, each process's share of it (which each rank runs in micro-batches
+    that fit its device). A global batch the world cannot share evenly is refused, with the
+    nearest that it can."""
+    per_process = world_size if cfg.per_gpu_batch == "auto" else cfg.per_gpu_batch * world_size
+    wanted = cfg.global_batch or cfg.global_batch_at(world_size)
+    if wanted % per_process:
+        lower = max(per_process, wanted // per_process * per_process)
+        unit = "ranks" if cfg.per_gpu_batch == "auto" else f"ranks of {cfg.per_gpu_batch} images"
+        raise usage_error(
+            f"invalid --global-batch: {wanted} images cannot be shared by {world_size} {unit}; "
+            f"give a multiple of {per_process}, such as {lower} or {lower + per_process}"
+        )
+    if cfg.per_gpu_batch == "auto":
+        return {"per_gpu_batch": wanted // world_size, "accumulate": 1, "batch_auto": True}
+    if cfg.global_batch is None:
+        return {}
+    accumulate = wanted // per_process
+    if cfg.accumulate not in (1, accumulate):
+        raise usage_error(
+            f"invalid --accumulate: {cfg.accumulate} with --per-gpu-batch {cfg.per_gpu_batch} "
+            f"on {world_size} ranks makes a global batch of "
+            f"{cfg.per_gpu_batch * world_size * cfg.accumulate}, not --global-batch {wanted}; "
+            "drop one of them"
+        )
+    return {"accumulate": accumulate}
 
 
 def resolve_crop_sizes(values: dict[str, Any]) -> None:

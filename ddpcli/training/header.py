@@ -32,9 +32,11 @@ def announce_run(
         return
     if cfg.world_from:
         ui.info(f"world from {cfg.world_from}")
+    auto = " (auto: run in micro-batches that fit, found before the first step)"
     ui.info(
         f"world size {ctx.world_size} ({ctx.backend}, {ctx.device.type}) · "
-        f"per-process batch {cfg.per_gpu_batch} × world {ctx.world_size} × "
+        f"per-process batch {cfg.per_gpu_batch}{auto if cfg.batch_auto else ''}"
+        f" × world {ctx.world_size} × "
         f"accumulate {schedule.accumulate} = global batch {schedule.global_batch}"
     )
     ui.info(

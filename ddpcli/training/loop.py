@@ -10,7 +10,9 @@ checkpoints (`checkpointing`) and the header (`header`); this one only orchestra
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
+from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -44,6 +46,7 @@ from ddpcli.training.checkpointing import Checkpointing
 from ddpcli.training.ema import WeightAverage, adjusted_decay
 from ddpcli.training.header import announce_run
 from ddpcli.training.metrics import StepTimer, means, memory_metrics, synced_time
+from ddpcli.training.microbatch import FakeOom, MicroBatches
 from ddpcli.training.parts import (
     autocast_context,
     build_optimizer,
@@ -72,6 +75,9 @@ class Trainer:
         self.loss_fn = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
         self.mixing: BatchMixing | None = build_mixing(cfg, data.splits.num_classes)
         self.ema = self.build_ema()
+        # --per-gpu-batch auto: the share of each step run in micro-batches that fit.
+        self.micro = self.build_micro_batches() if cfg.batch_auto else None
+        self.fake_oom = FakeOom(cfg.fake_oom, ctx.rank)  # DDPCLI_FAKE_OOM, for the tests
         self.state = TrainState()
         self.first_step_pending = True
         parts = TrainingParts(
@@ -83,7 +89,9 @@ class Trainer:
             parallel.compression,  # the hook's state: the wrapped model's owner holds it
         )
         self.checkpoints = Checkpointing(cfg, ctx, data, parts, on_saved=self.checkpoint_saved)
-        self.validation = Validation(cfg, ctx, data, not_finite=self.non_finite_stop)
+        self.validation = Validation(
+            cfg, ctx, data, self.non_finite_stop, lambda: self.micro.size if self.micro else None
+        )
         self.out = cfg.out
         self.finite_step = 0  # the last step at which the loss was checked and finite
         self.steplog = StepLog(self.out, ctx.is_main)
@@ -102,6 +110,12 @@ class Trainer:
             return None
         decay = adjusted_decay(cfg.ema_decay, schedule.global_batch, cfg.ema_steps, cfg.epochs)
         return WeightAverage(unwrap(self.model), decay, cfg.ema_steps, schedule.warmup_steps)
+
+    def build_micro_batches(self) -> MicroBatches:
+        return MicroBatches(
+            self.cfg, self.ctx, self.model, self.forward_model, self.loss_fn, self.optimizer,
+            self.scaler, lambda: autocast_context(self.cfg, self.ctx),
+        )  # fmt: skip
 
     def progress_now(self) -> dict[str, int]:
         """Where the loop is, as a user counts: epoch and optimizer step from 1."""
@@ -145,6 +159,8 @@ class Trainer:
             self.state, saved_batch = self.checkpoints.load(path)
             self.schedule.follow_resume(self.scheduler, self.state, saved_batch)
             self.finite_step = self.state.step
+            if self.micro is not None:
+                self.micro.resume(self.state.micro_batch, self.state.micro_batch_on)
             return
         if self.cfg.resume == "auto" and self.ctx.is_main:
             ui.info("--resume auto: no checkpoints/last.pt in the output folder; starting fresh")
@@ -247,6 +263,8 @@ class Trainer:
         batches = self.data.train_batches(
             state.epoch, skip_batches=state.batch_in_epoch, start=state.epoch_start
         )
+        if self.micro is not None and not self.micro.announced:
+            batches = self.settle_micro_batch(batches)
         timer = StepTimer(ctx.device, self.schedule.micro_batches_to_run(state))
         progress.start_epoch(state.epoch, state.batch_in_epoch)
         first_step_at = self.train_epoch(batches, sums, timer, progress)
@@ -256,6 +274,26 @@ class Trainer:
             state.partial_sums = totals[:METRIC_SLOTS]
         metrics = self.epoch_metrics(totals, timer, state.step - steps_before, stopped_inside)
         return {**metrics, **({"first_step_at": first_step_at} if first_step_at else {})}
+
+    def settle_micro_batch(self, batches: Any) -> Iterator[Any]:
+        """--per-gpu-batch auto, before the first step: the micro-batch a resume kept, or one
+        searched on the epoch's first batch (mixed as its step will mix it), which its step
+        then trains on; stated once."""
+        assert self.micro is not None
+        iterator = iter(batches)
+        if self.micro.size is None:
+            first = next(iterator, None)
+            if first is None:
+                return iterator
+            images, labels = first
+            _, targets = self.mixed(images, labels, self.state.batch_in_epoch + 1)
+            self.micro.search(images, targets, self.state.step)
+            iterator = itertools.chain([first], iterator)
+        self.state.micro_batch, self.state.micro_batch_on = self.micro.size, self.micro.devices
+        if self.ctx.is_main:
+            ui.info(self.micro.header_line(self.schedule.global_batch))
+        self.micro.announced = True
+        return iterator
 
     def epoch_sums(self) -> torch.Tensor:
         """Loss, correct, count; then each rank's [data wait, compute] seconds (rankload).
@@ -280,8 +318,11 @@ class Trainer:
             last_micro = state.batch_in_epoch == micro_total
             steps_now = state.batch_in_epoch % cfg.accumulate == 0 or last_micro
             accumulated = self.schedule.micro_batches_in_step(state, state.batch_in_epoch)
-            mixed_images, targets = self.mixed(images, labels)
-            self.train_micro_step(mixed_images, labels, sums, steps_now, accumulated, targets)
+            mixed_images, targets = self.mixed(images, labels, state.batch_in_epoch)
+            if self.micro is not None:
+                self.train_share(mixed_images, labels, sums, targets)
+            else:
+                self.train_micro_step(mixed_images, labels, sums, steps_now, accumulated, targets)
             if timer.tick(len(labels)):  # the breakdown times what images/s times
                 self.clock.start_epoch()
             if not steps_now:
@@ -330,13 +371,13 @@ class Trainer:
 
     # --- a step
     def mixed(
-        self, images: torch.Tensor, labels: torch.Tensor
+        self, images: torch.Tensor, labels: torch.Tensor, batch_in_epoch: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """With Mixup/CutMix: the mixed batch and its soft targets, drawn from (seed, epoch,
-        micro-batch, rank) alone; else the batch and its labels."""
+        micro-batch BATCH_IN_EPOCH, rank) alone; else the batch and its labels."""
         if self.mixing is None:
             return images, labels
-        key = self.state.batch_in_epoch * self.ctx.world_size + self.ctx.rank
+        key = batch_in_epoch * self.ctx.world_size + self.ctx.rank
         return self.mixing(images, labels, self.state.epoch, key)
 
     def gradient_sync(self, steps_now: bool) -> AbstractContextManager[object]:
@@ -358,8 +399,10 @@ class Trainer:
         self.clock.compute_started()
         with self.gradient_sync(steps_now):
             with autocast_context(self.cfg, self.ctx):
+                self.fake_oom.check("forward", len(labels), self.state.step)
                 logits = self.forward_model(images)
                 loss = self.loss_fn(logits, targets)
+            self.fake_oom.check("backward", len(labels), self.state.step)
             self.scaler.scale(loss / accumulated).backward()
         self.clock.backward_done()
         with torch.no_grad():
@@ -367,11 +410,25 @@ class Trainer:
             sums[1] += (logits.argmax(1) == labels).sum()
             sums[2] += len(labels)
         if steps_now:
+            self.fake_oom.check("step", len(labels), self.state.step)
             self.scaler.step(self.optimizer)
             self.scaler.update()
             self.optimizer.zero_grad(set_to_none=True)
             self.scheduler.step()
         self.clock.compute_done(steps_now)
+
+    def train_share(
+        self, images: torch.Tensor, labels: torch.Tensor, sums: torch.Tensor, targets: torch.Tensor
+    ) -> None:
+        """--per-gpu-batch auto: one optimizer step on this rank's share of the global batch,
+        in micro-batches (ddpcli.training.microbatch)."""
+        assert self.micro is not None
+        self.clock.compute_started()
+        self.micro.train_step(images, labels, targets, sums, self.state.step)
+        self.state.micro_batch = self.micro.size  # lowered, the checkpoints keep it
+        self.clock.backward_done()
+        self.scheduler.step()
+        self.clock.compute_done(True)
 
     def after_optimizer_step(
         self,

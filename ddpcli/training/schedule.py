@@ -100,7 +100,7 @@ class Schedule:
             return (
                 f"--accumulate {accumulate}, but an epoch has only {micro} micro-batch(es) per "
                 f"rank: each optimizer step accumulates {micro} (global batch "
-                f"{self.global_batch}, not {self.cfg.global_batch})"
+                f"{self.global_batch}, not {self.cfg.planned_global_batch})"
             )
         if micro % accumulate:
             return (

@@ -29,9 +29,12 @@ class Validation:
         ctx: DistContext,
         data: DataPath,
         not_finite: Callable[[str], Exception],
+        micro_batch: Callable[[], int | None] = lambda: None,
     ) -> None:
         self.cfg, self.ctx, self.data = cfg, ctx, data
         self.not_finite = not_finite
+        # --per-gpu-batch auto: the training micro-batch, which bounds validation's too.
+        self.micro_batch = micro_batch
 
     def epoch_metrics(self, model: nn.Module, ema: WeightAverage | None) -> dict[str, Any]:
         """`val_loss`, `val_acc`, `val_samples`; with --ema, `ema_val_loss` and `ema_val_acc`
@@ -50,13 +53,17 @@ class Validation:
         """Mean loss, accuracy and the samples counted, over every rank."""
         model.eval()
         sums = torch.zeros(3, device=self.ctx.device, dtype=torch.float64)
-        for images, labels in self.data.val_batches():
-            with autocast_context(self.cfg, self.ctx):
-                logits = model(images)
-                loss = nn.functional.cross_entropy(logits, labels, reduction="sum")
-            sums[0] += loss.double()
-            sums[1] += (logits.argmax(1) == labels).sum()
-            sums[2] += len(labels)
+        for batch_images, batch_labels in self.data.val_batches():
+            at_most = self.micro_batch() or len(batch_labels)
+            for images, labels in zip(
+                batch_images.split(at_most), batch_labels.split(at_most), strict=True
+            ):
+                with autocast_context(self.cfg, self.ctx):
+                    logits = model(images)
+                    loss = nn.functional.cross_entropy(logits, labels, reduction="sum")
+                sums[0] += loss.double()
+                sums[1] += (logits.argmax(1) == labels).sum()
+                sums[2] += len(labels)
         model.train()
         total = all_reduce_sum(sums, self.ctx).tolist()
         if not math.isfinite(total[0]):

@@ -54,7 +54,28 @@ ResetHead = Annotated[bool | None, train_option("reset_head", panel=PANEL)]
 
 Epochs = Annotated[int | None, train_option("epochs", panel=PANEL)]
 
-PerGpuBatch = Annotated[int | None, train_option("per_gpu_batch", "Batch of one process.", PANEL)]
+PerGpuBatch = Annotated[
+    str | None,
+    train_option(
+        "per_gpu_batch",
+        "Batch of one process, or auto: the largest micro-batch that fits each GPU, searched "
+        "before the first step and lowered on every rank together if a step runs out of "
+        "memory, the global batch kept.",
+        PANEL,
+        metavar="N|auto",
+    ),
+]
+
+GlobalBatch = Annotated[
+    int | None,
+    train_option(
+        "global_batch",
+        "Images per optimizer step over every rank: --accumulate follows from it (with "
+        "--per-gpu-batch auto, each process's share).",
+        PANEL,
+        default="per-gpu-batch x world x accumulate",
+    ),
+]
 
 Accumulate = Annotated[
     int | None, train_option("accumulate", "Micro-batches per optimizer step.", PANEL)
