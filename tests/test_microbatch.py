@@ -155,6 +155,20 @@ def test_a_step_out_of_memory_runs_again_smaller_on_every_rank(
     assert safe_load(out / "checkpoints" / "last.pt")["micro_batch"] == kept
 
 
+def test_a_backward_pass_cut_short_after_some_buckets_started_is_run_again(tmp_path, started_at):
+    """Buckets of 1 kB: each parameter's all-reduce starts as its gradient comes, and rank 2
+    runs out of memory halfway through its last backward pass; it starts the buckets it had
+    not, so no rank waits in one, and the step runs again."""
+    faults, buckets = "2:backward:32:2", ["--bucket-cap-mb", "0.001"]
+    out, trace, stderr = trained(tmp_path, "run", faults, *buckets)
+    assert lowered_lines(stderr) == [
+        "warning: step 3: out of memory in the backward pass on rank(s) 2; the step runs again "
+        "in micro-batches of 16 (the global batch, learning rate and sample order are kept)"
+    ], stderr[-2000:]
+    assert_each_sample_once(trace, 3)
+    assert_same_figures(out, started_at[16])
+
+
 def test_an_optimizer_step_out_of_memory_is_retried_on_its_rank_and_lowers_the_rest(
     tmp_path, started_at
 ):
@@ -300,3 +314,18 @@ def test_on_a_gpu_auto_finds_a_batch_that_leaves_memory_free(tmp_path):
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     assert re.search(r"per-GPU batch .*auto: .*leaves \d+% free", result.stderr), result.stderr
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_a_step_out_of_memory_mid_run_goes_on_smaller(tmp_path):
+    out = tmp_path / "run"
+    result = run_cli(
+        "train", "--gpus", "0", "--arch", "resnet18", "--per-gpu-batch", "auto",
+        "--global-batch", "256", "--image-size", "64", "--synthetic-size", "2048",
+        "--epochs", "1", "--out", str(out), timeout=600,
+        env={"DDPCLI_FAKE_OOM": "0:backward:129:3"},  # the whole 256 fits a GPU; then 128
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "step 4: out of memory in the backward pass on rank(s) 0" in result.stderr
+    assert read_metrics(out)[-1]["global_batch"] == 256

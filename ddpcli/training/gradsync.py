@@ -1,8 +1,15 @@
-"""Gradients and buffers made equal on every rank by hand, as DDP does in its backward pass:
-for `--per-gpu-batch auto`, whose backward passes all run under `no_sync` so that a rank out
-of memory can still reach the ranks' agreement (ddpcli.training.microbatch). The gradients
-go in buckets of `--bucket-cap-mb`, all in flight at once; the buffers (BatchNorm's running
-statistics) come from rank 0, as DDP's `broadcast_buffers` has them."""
+"""Gradients and buffers made equal on every rank by ddpcli itself, for `--per-gpu-batch
+auto`, whose backward passes all run under DDP's `no_sync` (ddpcli.training.microbatch).
+
+As DDP's reducer does, the gradients go in buckets of `--bucket-cap-mb` (in the reverse
+order of the parameters, roughly the order backward produces them), and a bucket's
+all-reduce starts as soon as its last gradient of the step's last micro-batch is in, while
+backward goes on. Unlike DDP's, a rank knows which buckets it has started: one that ran out
+of memory starts the rest (whatever its gradients hold), so every rank starts every bucket,
+in the same order, and the collective that follows, the ranks' agreement, is reached by all.
+Only after it are the averaged gradients kept, or dropped with the step. The buffers
+(BatchNorm's running statistics) then come from rank 0, as DDP's `broadcast_buffers` has
+them."""
 
 from __future__ import annotations
 
@@ -16,29 +23,106 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from ddpcli.dist import DistContext
 
 
-def synchronize(model: nn.Module, ctx: DistContext, bucket_cap_mb: float) -> None:
-    """MODEL's gradients averaged over the ranks, and its buffers set to rank 0's. A
-    parameter without a gradient on this rank (unused in its forward pass) counts as zeros,
-    as DDP's find_unused_parameters has it: every rank sends the same buckets."""
+class GradientBuckets:
+    """One rank's gradient all-reduce, bucket by bucket (see the module's docstring). Each
+    parameter's gradient is a view into its bucket's flat buffer, as DDP's
+    `gradient_as_bucket_view` makes it: backward accumulates in place, and a bucket is
+    all-reduced where it lies, with no copy in or out."""
+
+    def __init__(self, model: nn.Module, ctx: DistContext, bucket_cap_mb: float) -> None:
+        self.model, self.ctx = model, ctx
+        self.cap_bytes = int(bucket_cap_mb * 2**20)
+        parameters = [p for p in model.parameters() if p.requires_grad]
+        self.buckets = list(buckets(list(reversed(parameters)), self.cap_bytes))
+        self.bucket_of = {id(p): index for index, bucket in enumerate(self.buckets) for p in bucket}
+        self.flats = [
+            torch.zeros(sum(p.numel() for p in bucket), dtype=bucket[0].dtype,
+                        device=bucket[0].device)
+            for bucket in self.buckets
+        ] if ctx.distributed else []  # fmt: skip
+        self.views = {
+            id(p): view
+            for bucket, flat in zip(self.buckets, self.flats, strict=True)
+            for p, view in zip(bucket, views_of(flat, bucket), strict=True)
+        }
+        self.armed = False
+        self.ready = [0] * len(self.buckets)
+        self.next = 0  # the first bucket not yet started
+        self.started: list[tuple[int, dist.Work | None]] = []
+        if ctx.distributed:
+            for parameter in parameters:
+                parameter.register_post_accumulate_grad_hook(self.gradient_in)
+
+    def zero(self) -> None:
+        """Every gradient zero, and a view into its bucket again (an optimizer's
+        zero_grad(set_to_none=True) lets them go)."""
+        for flat in self.flats:
+            flat.zero_()
+        for bucket in self.buckets:
+            for parameter in bucket:
+                view = self.views.get(id(parameter))
+                if view is not None and parameter.grad is not view:
+                    parameter.grad = view
+
+    def arm(self) -> None:
+        """The step's last micro-batch comes: its gradients complete the buckets."""
+        self.armed, self.ready, self.next, self.started = True, [0] * len(self.buckets), 0, []
+
+    def gradient_in(self, parameter: torch.Tensor) -> None:
+        if not self.armed:
+            return
+        self.ready[self.bucket_of[id(parameter)]] += 1
+        while self.next < len(self.buckets) and self.ready[self.next] == len(
+            self.buckets[self.next]
+        ):
+            self.start(self.next)
+
+    def start_the_rest(self) -> None:
+        """After the micro-batches, whether they ran or not: every bucket not yet started
+        (its parameters unused in this rank's forward pass, or its backward cut short), in
+        order: every rank starts them all."""
+        if not self.ctx.distributed:
+            return
+        if not self.armed:
+            self.arm()
+        while self.next < len(self.buckets):
+            self.start(self.next)
+        self.armed = False
+
+    def start(self, index: int) -> None:
+        self.started.append((index, dist.all_reduce(self.flats[index], async_op=True)))
+        self.next += 1
+
+    def finish(self, keep: bool) -> None:
+        """Wait for the buckets; KEEP: their averages are the gradients (a parameter unused
+        on this rank gets the others', as DDP's find_unused_parameters has it), and the
+        buffers rank 0's. Else they are zeroed with the step."""
+        for index, work in self.started:
+            if work is not None:
+                work.wait()
+            if keep:
+                self.flats[index].div_(self.ctx.world_size)
+        self.started = []
+        if keep:
+            broadcast_buffers(self.model, self.ctx, self.cap_bytes)
+        else:
+            self.zero()
+
+
+def views_of(flat: torch.Tensor, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Views into FLAT shaped as TENSORS, one after another."""
+    views, offset = [], 0
+    for tensor in tensors:
+        views.append(flat[offset : offset + tensor.numel()].view_as(tensor))
+        offset += tensor.numel()
+    return views
+
+
+def broadcast_buffers(model: nn.Module, ctx: DistContext, cap_bytes: int) -> None:
+    """MODEL's buffers set to rank 0's."""
     if not ctx.distributed:
         return
-    parameters = [p for p in model.parameters() if p.requires_grad]
-    for parameter in parameters:
-        if parameter.grad is None:
-            parameter.grad = torch.zeros_like(parameter)
-    grads = [p.grad for p in parameters if p.grad is not None]
-    pending = []
-    for bucket in buckets(grads, int(bucket_cap_mb * 2**20)):
-        flat = _flatten_dense_tensors(bucket)
-        pending.append((bucket, flat, dist.all_reduce(flat, async_op=True)))
-    for bucket, flat, work in pending:
-        assert work is not None
-        work.wait()
-        flat.div_(ctx.world_size)
-        for grad, synced in zip(bucket, _unflatten_dense_tensors(flat, bucket), strict=True):
-            grad.copy_(synced)
-    buffers = list(model.buffers())
-    for bucket in buckets(buffers, int(bucket_cap_mb * 2**20)):
+    for bucket in buckets(list(model.buffers()), cap_bytes):
         flat = _flatten_dense_tensors(bucket)
         dist.broadcast(flat, src=0)
         for buffer, synced in zip(bucket, _unflatten_dense_tensors(flat, bucket), strict=True):

@@ -8,12 +8,13 @@ accumulate 1: the loader, the sample order and the epoch's accounting never chan
   the first real batch, and keeps the largest that runs and leaves MARGIN of its GPU's
   memory free; the weights, optimizer, scaler and random state are put back after each try.
   The ranks take the smallest of their findings.
-- every step runs its micro-batches under `no_sync` (no collective inside, so a rank out of
-  memory is never awaited inside one), then the ranks agree in one small all-reduce whether
-  every rank's forward and backward passes ran. If one did not, every rank drops the step's
-  gradients, lowers the micro-batch and runs the step again; the loss is weighted by
-  micro-batch size, so the step's gradient is the same whatever the split. Then the
-  gradients are all-reduced by hand (ddpcli.training.gradsync) and the optimizer steps.
+- every step runs its micro-batches under `no_sync`, DDP's own all-reduce never started;
+  ddpcli's (ddpcli.training.gradsync) starts each bucket as the last micro-batch's backward
+  fills it, as DDP's would, and a rank that runs out of memory starts the buckets it had
+  not, so no rank is left waiting in one. Then the ranks agree in one small all-reduce
+  whether every rank's forward and backward passes ran. If one did not, every rank drops
+  the step's gradients, lowers the micro-batch and runs the step again; the loss is
+  weighted by micro-batch size, so the step's gradient is the same whatever the split.
 - an optimizer step out of memory (its activations are already freed) is retried at once on
   the rank that ran out, before it changed a weight, so every rank's update stays the same;
   the lower micro-batch reaches the other ranks at the next step's agreement.
@@ -26,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,7 +40,7 @@ from ddpcli.config.plan import RunPlan
 from ddpcli.config.train import FAKE_OOM_VARIABLE
 from ddpcli.dist import DistContext, all_gather_object, all_reduce_sum
 from ddpcli.errors import agreed_error
-from ddpcli.training.gradsync import synchronize
+from ddpcli.training.gradsync import GradientBuckets
 from ddpcli.training.strategy import unwrap
 
 # A micro-batch is kept only if the peak of its forward, backward and optimizer step leaves
@@ -60,13 +61,39 @@ class FakeOom:
         self.faults = [(phase, batch, step) for r, phase, batch, step in faults if r == rank]
         self.rank = rank
 
+    def fires(self, phase: str, micro_batch: int, steps_done: int) -> bool:
+        return any(
+            phase == fault_phase and micro_batch >= batch and steps_done >= step
+            for fault_phase, batch, step in self.faults
+        )
+
+    def error(self, phase: str, micro_batch: int, steps_done: int) -> torch.OutOfMemoryError:
+        return torch.OutOfMemoryError(
+            f"{FAKE_OOM_VARIABLE}: rank {self.rank} out of memory in {phase} at micro-batch "
+            f"{micro_batch} (after step {steps_done})"
+        )
+
     def check(self, phase: str, micro_batch: int, steps_done: int) -> None:
-        for fault_phase, batch, step in self.faults:
-            if phase == fault_phase and micro_batch >= batch and steps_done >= step:
-                raise torch.OutOfMemoryError(
-                    f"{FAKE_OOM_VARIABLE}: rank {self.rank} out of memory in {phase} at "
-                    f"micro-batch {micro_batch} (after step {steps_done})"
-                )
+        if self.fires(phase, micro_batch, steps_done):
+            raise self.error(phase, micro_batch, steps_done)
+
+    @contextlib.contextmanager
+    def midway(self, model: nn.Module, micro_batch: int, steps_done: int) -> Iterator[None]:
+        """A backward pass that runs out of memory halfway, as a real one would: once the
+        gradient of the middle parameter is in (some buckets may have started)."""
+        if not self.fires("backward", micro_batch, steps_done):
+            yield
+            return
+        parameters = [p for p in model.parameters() if p.requires_grad]
+
+        def out_of_memory(_: torch.Tensor) -> None:
+            raise self.error("backward", micro_batch, steps_done)
+
+        handle = parameters[len(parameters) // 2].register_post_accumulate_grad_hook(out_of_memory)
+        try:
+            yield
+        finally:
+            handle.remove()
 
 
 def micro_batch_sizes(total: int, micro_batch: int) -> list[int]:
@@ -113,6 +140,7 @@ class MicroBatches:
         self.model, self.forward_model, self.loss_fn = model, forward_model, loss_fn
         self.optimizer, self.scaler, self.autocast = optimizer, scaler, autocast
         self.fake = FakeOom(cfg.fake_oom, ctx.rank)
+        self.gradients = GradientBuckets(model, ctx, cfg.bucket_cap_mb)
         self.size: int | None = None  # the micro-batch, once searched (or resumed)
         self.note = ""  # the header's words on how it was found
         self.announced = False
@@ -240,11 +268,15 @@ class MicroBatches:
         trained on), its loss, correct answers and count added to SUMS once it ran."""
         assert self.size is not None, "search() comes first"
         for retry in range(MAX_RETRIES + 1):
+            self.gradients.zero()
             step_sums, tried = torch.zeros_like(sums), self.size
             failed = self.run_micro_batches(images, labels, targets, step_sums, steps_done)
+            self.gradients.start_the_rest()
             phases, sizes = self.agree(failed)
             self.size = min(sizes)
-            if not any(code in (1, 2) for code in phases):
+            ran = not any(code in (1, 2) for code in phases)
+            self.gradients.finish(keep=ran)
+            if ran:
                 break
             self.optimizer.zero_grad(set_to_none=True)  # the step's gradients are dropped
             release_memory(self.ctx.device)
@@ -256,7 +288,6 @@ class MicroBatches:
         if any(code == 3 for code in phases):
             self.say_lowered(phases, steps_done, again=False)
         sums += step_sums
-        synchronize(self.model, self.ctx, self.cfg.bucket_cap_mb)
         self.optimizer_step(len(images), steps_done)
 
     def run_micro_batches(
@@ -275,7 +306,8 @@ class MicroBatches:
         phase = None
         try:
             with local_only(self.model):
-                for size in micro_batch_sizes(share, self.size):
+                sizes = micro_batch_sizes(share, self.size)
+                for number, size in enumerate(sizes, 1):
                     part = slice(start, start + size)
                     start += size
                     phase = "forward"
@@ -284,8 +316,10 @@ class MicroBatches:
                         logits = self.forward_model(images[part])
                         loss = self.loss_fn(logits, targets[part])
                     phase = "backward"
-                    self.fake.check(phase, self.size, steps_done)
-                    self.scaler.scale(loss * (size / share)).backward()
+                    if number == len(sizes):  # its gradients complete the buckets
+                        self.gradients.arm()
+                    with self.fake.midway(self.model, self.size, steps_done):
+                        self.scaler.scale(loss * (size / share)).backward()
                     with torch.no_grad():
                         sums[0] += loss.detach().double() * size
                         sums[1] += (logits.argmax(1) == labels[part]).sum()
