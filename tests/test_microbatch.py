@@ -169,6 +169,19 @@ def test_a_backward_pass_cut_short_after_some_buckets_started_is_run_again(tmp_p
     assert_same_figures(out, started_at[16])
 
 
+def test_on_2_ranks_a_step_out_of_memory_runs_again_and_matches_a_run_started_smaller(
+    tmp_path,
+):
+    reference, _, _ = trained(tmp_path, "at16", "0:forward:17", nproc=2)
+    out, trace, stderr = trained(
+        tmp_path, "run", "1:backward:32:2", "--bucket-cap-mb", "0.001", nproc=2
+    )
+    assert len(lowered_lines(stderr)) == 1, stderr[-2000:]
+    counts = traced_counts(trace, 2)
+    assert sorted(counts) == list(range(SIZE - SIZE % 64)) and set(counts.values()) == {1}
+    assert_same_figures(out, reference)
+
+
 def test_an_optimizer_step_out_of_memory_is_retried_on_its_rank_and_lowers_the_rest(
     tmp_path, started_at
 ):
