@@ -18,6 +18,7 @@ from typing import Any, NoReturn, TypeVar
 
 import torch
 import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ddpcli import ui
 from ddpcli.environments import LauncherEnv
@@ -253,6 +254,22 @@ def all_reduce_max(tensor: torch.Tensor, ctx: DistContext) -> torch.Tensor:
     if ctx.distributed:
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
     return tensor
+
+
+@torch.no_grad()
+def broadcast_from_rank0(tensors: list[torch.Tensor], ctx: DistContext) -> None:
+    """TENSORS set to rank 0's, in place: one broadcast per dtype and device, not one per
+    tensor (a model's buffers are many and small)."""
+    if not ctx.distributed:
+        return
+    groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for tensor in tensors:
+        groups.setdefault((tensor.dtype, tensor.device), []).append(tensor)
+    for group in groups.values():
+        flat = _flatten_dense_tensors(group)
+        dist.broadcast(flat, src=0)
+        for tensor, synced in zip(group, _unflatten_dense_tensors(flat, group), strict=True):
+            tensor.copy_(synced)
 
 
 Value = TypeVar("Value")

@@ -12,7 +12,6 @@ the verdict. torch's analyzer reads the folder as it is (`fr_trace FOLDER --pref
 from __future__ import annotations
 
 import datetime
-import os
 import pickle
 import socket
 import threading
@@ -23,6 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 from ddpcli.collectives.record import RECORD_PREFIX, REQUEST_FILE, record_name
 from ddpcli.collectives.verdict import RankRecord, Verdict, decide
+from ddpcli.errors import first_line
+from ddpcli.files import write_bytes_atomic
 from ddpcli.stacks import Frame, main_line, stack_file_name
 
 if TYPE_CHECKING:
@@ -58,7 +59,10 @@ def await_records(records: Path, ranks: list[int], wait_s: float = RECORDS_WAIT_
 
 
 def record_files(folder: Path) -> list[Path]:
-    return sorted(folder.glob(f"*{RECORD_PREFIX}[0-9]*"))
+    """The whole records in FOLDER (not one still being written: `.NAME.PID.tmp`)."""
+    return sorted(
+        file for file in folder.glob(f"*{RECORD_PREFIX}[0-9]*") if not file.name.startswith(".")
+    )
 
 
 def rank_of(file: Path) -> int:
@@ -68,20 +72,14 @@ def rank_of(file: Path) -> int:
 def keep_records(records: Path, kept: Path) -> list[Path]:
     """This node's ranks' records copied into KEPT, named by host and rank."""
     host = socket.gethostname()
-    files = [file for file in record_files(records) if not file.name.startswith(".")]
+    files = record_files(records)
     if files:
         kept.mkdir(parents=True, exist_ok=True)
-    for file in files:
-        write_whole(kept / f"{host}.{file.name}", file.read_bytes())
-    return [kept / f"{host}.{file.name}" for file in files]
-
-
-def write_whole(target: Path, content: bytes) -> None:
-    """TARGET with CONTENT, never half of it to a reader (node 0 reads a shared --out as the
-    other nodes write to it)."""
-    partial = target.with_name(f".{target.name}.{os.getpid()}")
-    partial.write_bytes(content)
-    os.replace(partial, target)
+    copies = [kept / f"{host}.{file.name}" for file in files]
+    for file, copy in zip(files, copies, strict=True):
+        # Whole or not at all: node 0 reads a shared --out as the other nodes write to it.
+        write_bytes_atomic(copy, file.read_bytes())
+    return copies
 
 
 def post_records(store: Store, files: list[Path], wait_s: float = OTHER_NODES_WAIT_S) -> str | None:
@@ -100,7 +98,7 @@ def post_records(store: Store, files: list[Path], wait_s: float = OTHER_NODES_WA
             store.check(keys)  # a set is sent, not answered: this one is, or raises
             failure.clear()
         except (RuntimeError, OSError) as error:
-            failure[:] = [str(error).strip().splitlines()[0] if str(error).strip() else repr(error)]
+            failure[:] = [first_line(error)]
 
     sender = threading.Thread(target=post, name="ddpcli-post-records", daemon=True)
     sender.start()
@@ -121,7 +119,7 @@ def take_posted(store: Store, kept: Path, world_size: int) -> None:
             host = own(pickle.loads(posted)).get("host") or "node"
         except (ValueError, pickle.UnpicklingError, EOFError):
             continue
-        write_whole(kept / f"{host}.{record_name(rank)}", posted)
+        write_bytes_atomic(kept / f"{host}.{record_name(rank)}", posted)
 
 
 def gathered(

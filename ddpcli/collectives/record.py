@@ -28,6 +28,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from ddpcli.files import write_bytes_atomic
+
 # The ring's length: a step of a DDP model issues a collective per gradient bucket (a few),
 # so the last 2000 reach back many steps.
 BUFFER_ENTRIES = 2000
@@ -89,10 +91,7 @@ def dump_record(folder: Path, rank: int, error: str | None = None) -> bool:
         "host": socket.gethostname(), "rank": rank, "pid": os.getpid(), "error": error,
         "stack": main_thread_stack(), "progress": progress_now(),
     }  # fmt: skip
-    target = folder / record_name(rank)
-    partial = target.with_name(f".{target.name}.{os.getpid()}")
-    partial.write_bytes(pickle.dumps(record))
-    os.replace(partial, target)
+    write_bytes_atomic(folder / record_name(rank), pickle.dumps(record))
     return True
 
 

@@ -18,9 +18,8 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from ddpcli.dist import DistContext
+from ddpcli.dist import DistContext, broadcast_from_rank0
 
 
 class GradientBuckets:
@@ -96,7 +95,7 @@ class GradientBuckets:
     def finish(self, keep: bool) -> None:
         """Wait for the buckets; KEEP: their averages are the gradients (a parameter unused
         on this rank gets the others', as DDP's find_unused_parameters has it), and the
-        buffers rank 0's. Else they are zeroed with the step."""
+        buffers rank 0's. Else they are left for the step run again to zero (`zero`)."""
         for index, work in self.started:
             if work is not None:
                 work.wait()
@@ -104,9 +103,7 @@ class GradientBuckets:
                 self.flats[index].div_(self.ctx.world_size)
         self.started = []
         if keep:
-            broadcast_buffers(self.model, self.ctx, self.cap_bytes)
-        else:
-            self.zero()
+            broadcast_from_rank0(list(self.model.buffers()), self.ctx)
 
 
 def views_of(flat: torch.Tensor, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -116,17 +113,6 @@ def views_of(flat: torch.Tensor, tensors: list[torch.Tensor]) -> list[torch.Tens
         views.append(flat[offset : offset + tensor.numel()].view_as(tensor))
         offset += tensor.numel()
     return views
-
-
-def broadcast_buffers(model: nn.Module, ctx: DistContext, cap_bytes: int) -> None:
-    """MODEL's buffers set to rank 0's."""
-    if not ctx.distributed:
-        return
-    for bucket in buckets(list(model.buffers()), cap_bytes):
-        flat = _flatten_dense_tensors(bucket)
-        dist.broadcast(flat, src=0)
-        for buffer, synced in zip(bucket, _unflatten_dense_tensors(flat, bucket), strict=True):
-            buffer.copy_(synced)
 
 
 def buckets(tensors: list[torch.Tensor], cap_bytes: int) -> Iterator[list[torch.Tensor]]:

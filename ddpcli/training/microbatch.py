@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from ddpcli import ui
+from ddpcli.checkpoint.schema import capture_rng_state, restore_rng_state
 from ddpcli.config.plan import RunPlan
 from ddpcli.config.train import FAKE_OOM_VARIABLE
 from ddpcli.dist import DistContext, all_gather_object, all_reduce_sum
@@ -202,21 +203,16 @@ class MicroBatches:
         self.note = f"{self.note}; {found}" if self.note else found
 
     def own_search(self, images: torch.Tensor, targets: torch.Tensor, steps_done: int) -> Finding:
-        saved = Snapshot(unwrap(self.model), self.optimizer, self.scaler, self.ctx.device)
+        saved = Snapshot(unwrap(self.model), self.optimizer, self.scaler)
         finding = Finding(micro_batch=len(images))
-        try:
-            while finding.micro_batch > 0:
-                outcome, free = self.try_micro_batch(
-                    images, targets, finding.micro_batch, steps_done
-                )
-                saved.restore()
-                if outcome is None:
-                    finding.free_share = free
-                    break
-                finding.failed[finding.micro_batch] = outcome
-                finding.micro_batch = next_lower(len(images), finding.micro_batch)
-        finally:
-            saved.restore()
+        while finding.micro_batch > 0:
+            outcome, free = self.try_micro_batch(images, targets, finding.micro_batch, steps_done)
+            saved.restore()  # after each try, the last included
+            if outcome is None:
+                finding.free_share = free
+                break
+            finding.failed[finding.micro_batch] = outcome
+            finding.micro_batch = next_lower(len(images), finding.micro_batch)
         return finding
 
     def try_micro_batch(
@@ -408,10 +404,9 @@ def search_note(findings: list[Finding], limiting: int, share: int) -> str:
     free = findings[limiting].free_share
     if not failed:
         return "auto: the whole share fits" + (f", leaving {free:.0%} free" if free else "")
-    else:
-        above = min(failed)  # the smallest size that did not
-        why = "left less than 10 % free" if failed[above] == "margin" else "ran out of memory"
-        said = f"auto: {above} {why} on rank {limiting}"
+    above = min(failed)  # the smallest size that did not
+    why = "left less than 10 % free" if failed[above] == "margin" else "ran out of memory"
+    said = f"auto: {above} {why} on rank {limiting}"
     return said + (f"; {kept} leaves {free:.0%} free" if free is not None else f"; {kept} ran")
 
 
@@ -420,27 +415,20 @@ class Snapshot:
     put back after each try of the search, which must leave no trace."""
 
     def __init__(
-        self,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        scaler: torch.amp.GradScaler,
-        device: torch.device,
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler
     ) -> None:
-        self.model, self.optimizer, self.scaler, self.device = model, optimizer, scaler, device
+        self.model, self.optimizer, self.scaler = model, optimizer, scaler
         self.weights = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
         self.optimizer_state = to_cpu(optimizer.state_dict())
         self.scaler_state = scaler.state_dict() if scaler.is_enabled() else None
-        self.rng = torch.get_rng_state()
-        self.device_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+        self.rng = capture_rng_state()  # as a checkpoint keeps it
 
     def restore(self) -> None:
         self.model.load_state_dict(self.weights)
         self.optimizer.load_state_dict(self.optimizer_state)
         if self.scaler_state is not None:
             self.scaler.load_state_dict(self.scaler_state)
-        torch.set_rng_state(self.rng)
-        if self.device_rng is not None:
-            torch.cuda.set_rng_state(self.device_rng, self.device)
+        restore_rng_state(self.rng)
         self.optimizer.zero_grad(set_to_none=True)
 
 

@@ -12,7 +12,7 @@ from torch import nn
 
 from ddpcli.config.plan import RunPlan
 from ddpcli.data.pipeline import DataPath
-from ddpcli.dist import DistContext, all_reduce_sum
+from ddpcli.dist import DistContext, all_reduce_sum, broadcast_from_rank0
 from ddpcli.training.ema import WeightAverage
 from ddpcli.training.parts import autocast_context
 
@@ -72,13 +72,9 @@ class Validation:
         return total[0] / count, total[1] / count, int(total[2])
 
 
-@torch.no_grad()
 def same_buffers_as_rank0(model: nn.Module, ctx: DistContext) -> None:
     """Each rank's BatchNorm statistics (and the EMA's, averaged from them) end the epoch
     updated by its own last batch: DDP hands out rank 0's only at the next forward. Rank 0's
     are the ones checkpoints save, so every rank validates with them: the figure is then
     the saved model's (what `ddpcli eval` measures), not a blend of each rank's copy."""
-    if not ctx.distributed:
-        return
-    for buffer in model.buffers():
-        torch.distributed.broadcast(buffer, src=0)
+    broadcast_from_rank0(list(model.buffers()), ctx)
