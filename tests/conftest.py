@@ -276,7 +276,8 @@ LONG_MODULES = (
     "test_collectives", "test_custom", "test_preempt", "test_eval", "test_lr", "test_shards_remote",
     "test_loop_safety", "test_resume", "test_train", "test_curves", "test_recipe_resume",
     "test_world_change", "test_export", "test_run_folders", "test_launch", "test_check_env",
-    "test_data_checks", "test_compression", "test_speed_paths", "test_bench_barrier",
+    "test_data_checks", "test_compression", "test_speed_paths", "test_compile_mode",
+    "test_bench_barrier",
 )  # fmt: skip
 
 # Modules whose tests share what a module-scoped fixture made (a trained run, packed shards,

@@ -316,11 +316,13 @@ def gpu_of_capability(monkeypatch):
     [((7, 0), "fp32"), ((7, 5), "fp32"), ((8, 0), "bf16"), ((8, 6), "bf16"), ((9, 0), "bf16")],
 )
 def test_auto_precision_is_bf16_only_from_compute_capability_8(
-    tmp_path, gpu_of_capability, capability, precision
+    tmp_path, monkeypatch, gpu_of_capability, capability, precision
 ):
     """cuDNN runs bf16 convolutions only from 8.0: on a V100 (7.0) or T4 (7.5) they take a
-    slow path, so `auto` keeps fp32 there and says why."""
+    slow path, so `auto` keeps fp32 there and says why. For a compute-bound step (resnet50's
+    at 224 px, batch 64): the launch-bound ones are tests/test_compile_mode.py's."""
     gpu_of_capability(capability)
+    monkeypatch.setattr("ddpcli.training.settle.training_gflop_per_step", lambda *args: 1569.5)
     from test_speed_paths import tiny_config
 
     from ddpcli.training.settle import settle_rank
@@ -347,7 +349,8 @@ def ampere_or_later() -> bool:
 @pytest.mark.gpu
 def test_auto_precision_on_this_gpu_follows_its_compute_capability(tmp_path):
     """The same decision as the CPU test above, from the real device: not from
-    is_bf16_supported(), which says True on a V100 as well."""
+    is_bf16_supported(), which says True on a V100 as well. A tinycnn step is launch-bound:
+    fp32 from 8.0 too, for that reason."""
     out = tmp_path / "run"
     result = run_cli(
         "train", "--gpus", "0", "--arch", "tinycnn", "--image-size", "16", "--epochs", "1",
@@ -355,7 +358,8 @@ def test_auto_precision_on_this_gpu_follows_its_compute_capability(tmp_path):
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
     config = json.loads((out / "config.json").read_text())
-    assert config["precision"] == ("bf16" if ampere_or_later() else "fp32")
+    assert config["precision"] == "fp32"
+    assert ("launch-bound" in config["precision_reason"]) == ampere_or_later()
     major, minor = torch.cuda.get_device_capability(0)
     assert f"compute capability {major}.{minor}" in config["precision_reason"]
 

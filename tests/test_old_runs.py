@@ -17,7 +17,15 @@ ITS_COMMAND = [
     "--synthetic-size", "64", "--per-gpu-batch", "16",
 ]  # fmt: skip
 # Settings that came after the fixture was written: config.json has them too.
-SETTINGS_ADDED_SINCE = {"flight_recorder", "global_batch", "batch_auto", "fake_oom"}
+SETTINGS_ADDED_SINCE = {
+    "flight_recorder",
+    "global_batch",
+    "batch_auto",
+    "fake_oom",
+    "decode",
+    "decode_reason",
+    "compile_mode",
+}
 
 
 def keys(path: Path) -> set[str]:

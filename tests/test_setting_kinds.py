@@ -30,6 +30,7 @@ def test_the_per_node_settings_are_the_launchers_lists():
         "node_rank", "gpus", "data_dir", "data_path", "workers", "download", "out", "resume",
         "log_dir", "trace_samples", "ifname", "master_addr", "master_port", "init_method",
         "timeout", "world_from", "precision_reason", "slow_data", "resume_checked", "fake_oom",
+        "decode", "decode_reason",
     }  # fmt: skip
     assert set(settings_of_kind(EvalConfig, PER_NODE)) == {
         "checkpoint", "data_dir", "out", "node_rank", "gpus", "workers", "ifname", "master_addr",

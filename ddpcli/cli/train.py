@@ -43,6 +43,7 @@ def train(
     image_size: data.ImageSize = None,
     synthetic_size: data.SyntheticSize = None,
     data_path: data.DataPath = None,
+    decode: data.Decode = None,
     workers: data.Workers = None,
     skip_bad_images: data.SkipBadImages = None,
     shuffle_buffer: data.ShuffleBuffer = None,
@@ -68,6 +69,7 @@ def train(
     seed: model.Seed = None,
     precision: model.Precision = None,
     compile: model.Compile = None,
+    compile_mode: model.CompileMode = None,
     max_steps: model.MaxSteps = None,
     # Processes and devices
     gpus: processes.Gpus = None,

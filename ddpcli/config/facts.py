@@ -32,6 +32,11 @@ class RunFacts(BaseModel):
     precision_reason: Annotated[
         str | None, PER_NODE, Resolved("the run states why it chose one")
     ] = None
+    # Why `--decode` became what `decode` holds (the header says it; ddpcli.launcher.resolve
+    # decides it, ddpcli.launcher.plan checks the decoder is there).
+    decode_reason: Annotated[str | None, PER_NODE, Resolved("the run states why it chose one")] = (
+        None
+    )
     # The command's --accumulate when a resume's batch policy set another to keep the global
     # batch (ddpcli.training.settle); the checkpoint keeps it, so that the next restart at the
     # same world keeps the policy's value.

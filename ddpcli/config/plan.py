@@ -27,6 +27,7 @@ class RunPlan(RunFacts, TrainConfig):
     arch: str
     image_size: int
     augment: Literal["rrc", "crop-flip", "none"]
+    decode: Literal["cpu", "gpu"]
     train_crop_size: int
     val_resize_size: int
     val_crop_size: int

@@ -75,6 +75,8 @@ SLOW_DATA_VARIABLE = "DDPCLI_SLOW_DATA"
 # made on purpose, to test on the CPU what --per-gpu-batch auto does with a real one.
 FAKE_OOM_VARIABLE = "DDPCLI_FAKE_OOM"
 OOM_PHASES = ("forward", "backward", "step")
+# The data sets read as JPEG files during training, which --decode gpu decodes on the rank.
+JPEG_DATASETS = ("imagefolder", "shards")
 # --per-gpu-batch's default, and what --per-gpu-batch auto's global batch is made of when
 # --global-batch is not given.
 DEFAULT_PER_GPU_BATCH = 64
@@ -208,6 +210,8 @@ TrackerList = Annotated[
 # points and rank 4 stayed within the noise (docs/performance.md); its first steps go
 # uncompressed, as torch's PowerSGD recommends.
 GRAD_COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
+# torch.compile's modes that capture CUDA graphs (inductor's `triton.cudagraphs`).
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 POWERSGD_DEFAULT_RANK = 4
 POWERSGD_MAX_RANK = 64
 
@@ -269,6 +273,9 @@ class TrainConfig(Membership, CommandConfig):
         4096, ge=16, description="training images of the synthetic set"
     )
     data_path: Annotated[Literal["auto", "device", "loader"], PER_NODE] = "auto"
+    # Where JPEGs are decoded on the loader path and from shards: in the loader workers
+    # (cpu), or batched on the rank's device (gpu: nvjpeg; ddpcli.data.encoded).
+    decode: Annotated[Literal["auto", "cpu", "gpu"], PER_NODE] = "auto"
     workers: Annotated[int | None, PER_NODE] = Field(
         None, ge=0, description="DataLoader workers per rank"
     )
@@ -369,6 +376,8 @@ class TrainConfig(Membership, CommandConfig):
     seed: Annotated[int, CHANGES_RESULT] = Field(0, ge=0)
     precision: Annotated[Precision, CHANGES_RESULT] = "auto"
     compile: bool = False
+    # torch.compile's mode: reduce-overhead captures CUDA graphs (docs/train.md, "Compile").
+    compile_mode: Literal["default", "reduce-overhead", "max-autotune"] = "default"
     max_steps: int | None = Field(None, ge=1)
     # processes and devices
     gpus: Annotated[GpuList, PER_NODE] = None
@@ -595,6 +604,7 @@ class TrainConfig(Membership, CommandConfig):
                 "invalid --data-path: device holds the built-in sets in device memory; your own "
                 "--dataset streams through the loader (--data-path loader or auto)"
             )
+        check_decode(self.decode, self.dataset, self.data_path)
         if self.strategy == "balanced-dp" and self.gpu0_batch is None:
             raise ValueError("invalid --gpu0-batch: --strategy balanced-dp needs --gpu0-batch N")
         check_grad_compression(self.grad_compression, self.strategy, self.precision)
@@ -603,6 +613,7 @@ class TrainConfig(Membership, CommandConfig):
                 "invalid --bucket-cap-mb: with --compile, torch's DDP optimizer needs buckets of "
                 "at least 1 MB (its first bucket's size); raise it or drop --compile"
             )
+        check_compile_mode(self)
         check_batch_auto(self)
         if self.static_graph and self.accumulate > 1:
             raise ValueError(
@@ -697,6 +708,56 @@ def check_batch_auto(cfg: TrainConfig) -> None:
             raise ValueError(
                 f"invalid --{flag}: not with --per-gpu-batch auto ({reason}); drop --{flag}, "
                 "or give --per-gpu-batch a number"
+            )
+
+
+def check_decode(decode: str, dataset: str, data_path: str) -> None:
+    """--decode gpu decodes the JPEGs the loader reads during training: image files, shards."""
+    if decode != "gpu":
+        return
+    if dataset not in JPEG_DATASETS:
+        raise ValueError(
+            f"invalid --decode: gpu decodes the JPEGs of image folders and shards as batches "
+            f"arrive; --dataset {dataset} holds none to decode (drop --decode gpu)"
+        )
+    if data_path == "device":
+        raise ValueError(
+            "invalid --decode: --data-path device decodes the image folder once, before "
+            "training; --decode gpu decodes each batch as the loader reads it; drop one"
+        )
+
+
+def check_compile_mode(cfg: TrainConfig) -> None:
+    """--compile-mode is torch.compile's; the graph modes refuse what a CUDA graph cannot
+    hold safely (docs/train.md, "Compile and CUDA graphs"). Refused on every machine, though
+    the CPU runs them without graphs: a recipe means the same wherever it runs."""
+    mode = cfg.compile_mode
+    if mode != "default" and not cfg.compile:
+        raise ValueError(
+            f"invalid --compile-mode: {mode} is a mode of torch.compile, which is off; "
+            "add --compile"
+        )
+    if not (cfg.compile and mode in CUDA_GRAPH_MODES):
+        return
+    refused = {
+        "--per-gpu-batch": cfg.per_gpu_batch == "auto"
+        and (
+            "auto runs micro-batches of varying sizes, each a CUDA graph of its own, and runs "
+            "again a step that ran out of memory, which a capture cannot",
+            "give --per-gpu-batch a number",
+        ),
+        "--sync-bn": cfg.sync_bn
+        and (
+            "SyncBatchNorm's collectives would run inside the captured forward pass",
+            "drop --sync-bn",
+        ),
+    }
+    for flag, refusal in refused.items():
+        if refusal:
+            reason, remedy = refusal
+            raise ValueError(
+                f"invalid {flag}: not with --compile-mode {mode}, which captures CUDA graphs "
+                f"({reason}); {remedy}, or use --compile-mode default"
             )
 
 
@@ -834,6 +895,7 @@ def _is_given(value: Any) -> bool:
 EXCLUSIONS: tuple[tuple[str, Callable[[Any], bool], str, Callable[[Any], bool]], ...] = (
     ("cpu", _is_true, "gpus", _is_given),
     ("compile", _is_true, "strategy", lambda strategy: strategy in ("dp", "balanced-dp")),
+    ("compile", lambda compile: compile is False, "compile_mode", lambda mode: mode != "default"),
     ("gpu0_batch", _is_given, "strategy", lambda strategy: strategy != "balanced-dp"),
 )
 

@@ -5,7 +5,8 @@
 - `augment`: random-resized and padded crops, flips: a pure function of (seed, epoch, index);
   `autoaugment`, `erasing`, `mixing`: the recipe's torchvision v2 transforms, pure draws;
 - `device`: device-resident batches (`--data-path device`); `loader`: DataLoader batches
-  (`--data-path loader`), `decode`: image files to pixels; `ra_sampler`: --ra-reps;
+  (`--data-path loader`), `decode`: image files to pixels; `encoded`: `--decode gpu`, the
+  workers' bytes decoded and viewed on the rank's device; `ra_sampler`: --ra-reps;
 - `pipeline`: sharding and the batches the training loop sees; `resharding`: where an epoch
   stands, continued by any world.
 - `shards/`: `ddpcli data pack|verify`, a data set as WebDataset-format tar shards and their

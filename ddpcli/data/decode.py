@@ -204,14 +204,33 @@ FRAME_MARKERS = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}  # not DHT, JP
 HUFFMAN_FRAMES = (0xC0, 0xC1, 0xC2)  # baseline, extended sequential, progressive
 
 
-def straight_jpeg_size(data: bytes) -> tuple[int, int] | None:
-    """The stored (height, width) of a JPEG that libjpeg-turbo may decode straight into a
-    tensor: 8-bit, three components (YCbCr or RGB: what PIL opens as RGB), Huffman-coded,
-    within PIL's decompression-bomb limit, where torchvision still decodes. None for anything
-    else (grey, CMYK, other formats, a header cut short): PIL opens those, as ImageFolder."""
-    from PIL import Image
+class JpegFrame(NamedTuple):
+    """What a JPEG's frame header says: the stored size, the components (1 grey, 3 colour,
+    4 CMYK), the bits per sample, and whether it is Huffman-coded (baseline, extended or
+    progressive: what libjpeg's default settings and nvjpeg read)."""
 
-    if not data.startswith(b"\xff\xd8") or libjpeg_decoder() is None:
+    height: int
+    width: int
+    components: int
+    precision: int
+    huffman: bool
+
+    def within_bomb_limit(self) -> bool:
+        from PIL import Image
+
+        limit = Image.MAX_IMAGE_PIXELS
+        return limit is None or self.height * self.width <= limit
+
+    def straight(self) -> bool:
+        """8-bit colour, Huffman-coded, of a size and within PIL's decompression-bomb
+        limit: libjpeg-turbo's RGB output is then PIL's (grey and CMYK go through PIL)."""
+        usable = self.height > 0 and self.width > 0 and self.within_bomb_limit()
+        return usable and self.huffman and self.precision == 8 and self.components == 3
+
+
+def jpeg_frame(data: bytes) -> JpegFrame | None:
+    """DATA's frame header, or None where DATA is no JPEG or its header is cut short."""
+    if not data.startswith(b"\xff\xd8"):
         return None
     position = 2
     while position + 10 <= len(data) and data[position] == 0xFF:
@@ -220,12 +239,20 @@ def straight_jpeg_size(data: bytes) -> tuple[int, int] | None:
             position += 1
         elif marker in FRAME_MARKERS:
             precision, height, width, components = struct.unpack_from(">BHHB", data, position + 4)
-            bomb = Image.MAX_IMAGE_PIXELS is not None and height * width > Image.MAX_IMAGE_PIXELS
-            straight = marker in HUFFMAN_FRAMES and precision == 8 and components == 3
-            return (height, width) if straight and height and width and not bomb else None
+            return JpegFrame(height, width, components, precision, marker in HUFFMAN_FRAMES)
         else:  # APPn, DQT, DHT...: skip the segment by its length
             position += 2 + int.from_bytes(data[position + 2 : position + 4], "big")
     return None
+
+
+def straight_jpeg_size(data: bytes) -> tuple[int, int] | None:
+    """The stored (height, width) of a JPEG that libjpeg-turbo may decode straight into a
+    tensor (JpegFrame.straight), where torchvision still decodes. None for anything else
+    (grey, CMYK, other formats, a header cut short): PIL opens those, as ImageFolder."""
+    frame = jpeg_frame(data)
+    if frame is None or not frame.straight() or libjpeg_decoder() is None:
+        return None
+    return frame.height, frame.width
 
 
 def jpeg_pixels(data: bytes) -> torch.Tensor:

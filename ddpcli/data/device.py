@@ -99,7 +99,7 @@ class DeviceResidentBatches:
                 maps = self.crop_maps[start:end]
                 images = resample_with_maps(images, maps, self.image_size)
             elif self.augment == "crop-flip":
-                images = self._crop_and_flip(images, keys)
+                images = crop_and_flip_batch(images, keys, self.seed, self.epoch)
             if self.auto_augment is not None:  # torchvision's policies take uint8 pixels
                 pixels = images.round().clamp_(0, 255).to(torch.uint8)
                 cpu_keys = self.cpu_keys[start:end]
@@ -109,22 +109,29 @@ class DeviceResidentBatches:
             images = (images.float().div_(255) - self.mean) / self.std
             yield images.contiguous(memory_format=self.memory_format), self.labels[batch]
 
-    def _crop_and_flip(self, images: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-        count, _, height, width = images.shape
-        pad = CROP_PADDING
-        top, left, flips = augmentation_draws(self.seed, self.epoch, indices)
-        padded = F.pad(images, (pad, pad, pad, pad))
-        if images.device.type == "cpu":
-            # A slice per sample is much cheaper on the CPU than the 4-D gather; same pixels.
-            out = torch.empty_like(images)
-            draws = zip(top.tolist(), left.tolist(), flips.tolist(), strict=True)
-            for row, (y, x, flip) in enumerate(draws):
-                out[row] = crop_padded(padded[row], y, x, flip, height, width)
-            return out
-        rows = top.view(count, 1) + torch.arange(height, device=self.device)
-        cols = left.view(count, 1) + torch.arange(width, device=self.device)
-        cols = torch.where(flips.view(count, 1), cols.flip(1), cols)
-        batch_index = torch.arange(count, device=self.device).view(count, 1, 1, 1)
-        channel_index = torch.arange(3, device=self.device).view(1, 3, 1, 1)
-        return padded[batch_index, channel_index, rows.view(count, 1, height, 1),
-                      cols.view(count, 1, 1, width)]  # fmt: skip
+
+def crop_and_flip_batch(
+    images: torch.Tensor, keys: torch.Tensor, seed: int, epoch: int
+) -> torch.Tensor:
+    """(N, 3, H, W) -> the same shape: each image padded by CROP_PADDING, cropped back at the
+    offset drawn for its key and mirrored if drawn so (crop_and_flip_one's draws), at once on
+    a device."""
+    count, _, height, width = images.shape
+    device = images.device
+    pad = CROP_PADDING
+    top, left, flips = augmentation_draws(seed, epoch, keys)
+    padded = F.pad(images, (pad, pad, pad, pad))
+    if device.type == "cpu":
+        # A slice per sample is much cheaper on the CPU than the 4-D gather; same pixels.
+        out = torch.empty_like(images)
+        draws = zip(top.tolist(), left.tolist(), flips.tolist(), strict=True)
+        for row, (y, x, flip) in enumerate(draws):
+            out[row] = crop_padded(padded[row], y, x, flip, height, width)
+        return out
+    rows = top.view(count, 1) + torch.arange(height, device=device)
+    cols = left.view(count, 1) + torch.arange(width, device=device)
+    cols = torch.where(flips.view(count, 1), cols.flip(1), cols)
+    batch_index = torch.arange(count, device=device).view(count, 1, 1, 1)
+    channel_index = torch.arange(3, device=device).view(1, 3, 1, 1)
+    return padded[batch_index, channel_index, rows.view(count, 1, height, 1),
+                  cols.view(count, 1, 1, width)]  # fmt: skip

@@ -168,8 +168,10 @@ class LoaderBatches:
 
     def __init__(
         self, dataset, batch_size, device, mean, std, workers, channels_last, drop_last,
-        persistent=True,
+        persistent=True, stage=None, collate_fn=None,
     ):  # fmt: skip
+        """STAGE: what turns the workers' batches into the device's (ddpcli.data.encoded's
+        DecodeOnDevice with its COLLATE_FN); by default the pixels normalised there."""
         if workers and not multiprocessing_sockets_fit():
             raise tmpdir_too_long()
         self.batches = ShardBatches()
@@ -178,15 +180,13 @@ class LoaderBatches:
             dataset,
             batch_sampler=self.batches,
             num_workers=workers,
+            collate_fn=collate_fn,
             pin_memory=device.type == "cuda",
             persistent_workers=persistent and workers > 0,
             prefetch_factor=4 if workers else None,
             worker_init_fn=functools.partial(die_with_rank, os.getpid()),
         )
-        self.device = device
-        self.mean = torch.tensor(mean, device=device).view(1, 3, 1, 1)
-        self.std = torch.tensor(std, device=device).view(1, 3, 1, 1)
-        self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
+        self.stage = stage or Normalise(device, mean, std, channels_last)
 
     def for_epoch(
         self, indices: list[int], epoch: int, batch_sizes: list[int] | None = None
@@ -211,12 +211,28 @@ class LoaderBatches:
 
     def __iter__(self):
         for images, labels in self.loader:
-            images = images.to(self.device, non_blocking=True)
-            images = (images.float().div_(255) - self.mean) / self.std
-            yield (
-                images.contiguous(memory_format=self.memory_format),
-                labels.to(self.device, non_blocking=True),
-            )
+            yield self.stage(images, labels)
+
+
+class Normalise:
+    """uint8 batches onto the device, normalised there: the stage between the loader workers
+    and the step where the workers decode (--decode cpu)."""
+
+    def __init__(self, device: torch.device, mean, std, channels_last: bool) -> None:
+        self.device = device
+        self.mean = torch.tensor(mean, device=device).view(1, 3, 1, 1)
+        self.std = torch.tensor(std, device=device).view(1, 3, 1, 1)
+        self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
+
+    def __call__(
+        self, images: torch.Tensor, labels: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        images = images.to(self.device, non_blocking=True)
+        images = (images.float().div_(255) - self.mean) / self.std
+        return (
+            images.contiguous(memory_format=self.memory_format),
+            labels.to(self.device, non_blocking=True),
+        )
 
 
 def tmpdir_too_long() -> DdpcliError:

@@ -31,13 +31,19 @@ from ddpcli.config.plan import RunPlan
 from ddpcli.data.autoaugment import policy_transform
 from ddpcli.data.custom import CustomDataset, CustomSplits
 from ddpcli.data.device import DeviceResidentBatches
+from ddpcli.data.encoded import (
+    DecodeOnDevice,
+    EncodedFiles,
+    EncodedMembers,
+    collate_encoded,
+)
 from ddpcli.data.erasing import ErasedBatches
 from ddpcli.data.layout import Augment, training_augment
 from ddpcli.data.loader import (
     FolderDataset,
-    KeyedImages,
     LoaderBatches,
     MemoryDataset,
+    Normalise,
     default_workers,
 )
 from ddpcli.data.ra_sampler import repeated_shard
@@ -58,8 +64,8 @@ from ddpcli.data.sets import (
     Splits,
     view_set,
 )
-from ddpcli.data.shards.feed import MemberImages, Normalise, ShardFeed
-from ddpcli.dist import DistContext
+from ddpcli.data.shards.feed import MemberImages, ShardFeed, Stage
+from ddpcli.dist import DistContext, all_reduce_sum
 from ddpcli.errors import USAGE, agreed_error
 
 # Image folders are normalised with ImageNet's statistics on both paths (as torchvision's
@@ -162,6 +168,58 @@ class DataPath(ABC):
         trace = cfg.trace_samples
         self.trace_file = trace.with_name(f"{trace.name}.rank{ctx.rank}") if trace else None
         self.train_size = self.val_size = 0  # each path sets them as it opens its sets
+        # --decode gpu: the workers read bytes, the rank decodes (ddpcli.data.encoded); only
+        # files and shards hold JPEGs (the plan settles it so: this is the guard).
+        self.decodes_on_device = cfg.decode == "gpu" and isinstance(
+            splits, (FolderSplits, ShardSplits)
+        )
+        self.train_stage, self.val_stage = self.stages()
+
+    def stages(self) -> tuple[Stage, Stage]:
+        """What the rank makes of its workers' batches, for training and for validation:
+        pixels normalised on its device, or (--decode gpu) JPEGs decoded and viewed there."""
+        ctx, cfg = self.ctx, self.cfg
+        if not self.decodes_on_device:
+            normalise = Normalise(ctx.device, self.mean, self.std, self.channels_last)
+            return normalise, normalise
+        common = (ctx.device, self.mean, self.std, self.channels_last)
+        size = self.crop_size if self.augment == "rrc" else cfg.image_size
+        train = DecodeOnDevice(
+            *common, self.augment, size, cfg.seed, auto_augment=self.auto_augment
+        )
+        val = DecodeOnDevice(*common, "none", cfg.val_crop_size, cfg.seed, view=self.val_view())
+        return train, val
+
+    def decode_figures(self) -> dict[str, int]:
+        """--decode gpu: images decoded on the CPU instead since the last call, the epoch's
+        (nvjpeg does not take them: PNG, CMYK, grey), over every rank: a collective, every
+        rank calls it. {} else."""
+        if not self.decodes_on_device:
+            return {}
+        stages = cast(list[DecodeOnDevice], [self.train_stage, self.val_stage])
+        mine = float(sum(stage.decoded_on_cpu for stage in stages))
+        for stage in stages:
+            stage.decoded_on_cpu = 0
+        total = all_reduce_sum(torch.tensor([mine], device=self.ctx.device), self.ctx)
+        return {"decoded_on_cpu": int(total.item())}
+
+    def decode_line(self) -> str:
+        """The header's line on where JPEGs are decoded; "" where training reads none."""
+        if not isinstance(self.splits, (FolderSplits, ShardSplits)):
+            return ""
+        reason = f" ({self.cfg.decode_reason})" if self.cfg.decode_reason else ""
+        if not self.decodes_on_device:
+            return (
+                f"decode cpu{reason}: the loader workers decode each JPEG (libjpeg-turbo, at "
+                "the scale its crop needs), crop and flip it"
+            )
+        stage = cast(DecodeOnDevice, self.train_stage)
+        return (
+            f"decode gpu{reason}: the loader workers read the bytes; {stage.describe()} "
+            "decodes each batch, crops, flips and normalises it there; images it does not "
+            "take (PNG, CMYK, grey) are decoded on the CPU, counted in metrics.jsonl's "
+            "decoded_on_cpu"
+        )
 
     def recipe(self) -> dict:
         """The training set's share of the recipe: its crop side and policy."""
@@ -277,14 +335,21 @@ class ShardPath(DataPath):
 
     def __init__(self, splits: ShardSplits, cfg: RunPlan, ctx: DistContext):
         super().__init__(splits, cfg, ctx)
-        size, seed = cfg.image_size, cfg.seed
-        normalise = Normalise(ctx.device, self.mean, self.std, self.channels_last)
         self.feed = ShardFeed(
-            splits, cfg, ctx, self.workers, normalise,
-            MemberImages(size, seed, self.augment, **self.recipe()),
-            MemberImages(size, seed, "none", view=self.val_view()),
+            splits, cfg, ctx, self.workers, *self.member_images(), self.train_stage,
+            self.val_stage,
         )  # fmt: skip
         self.train_size, self.val_size = self.feed.train_size, self.feed.val_size
+
+    def member_images(self) -> tuple[Any, Any]:
+        """What the workers make of each train and val member: pixels, or its bytes."""
+        size, seed = self.cfg.image_size, self.cfg.seed
+        if self.decodes_on_device:
+            return EncodedMembers(seed, self.augment), EncodedMembers(seed, "none")
+        return (
+            MemberImages(size, seed, self.augment, **self.recipe()),
+            MemberImages(size, seed, "none", view=self.val_view()),
+        )
 
     def check_one_batch(self) -> None:
         if self.steps_per_epoch() == 0:
@@ -487,10 +552,15 @@ class LoaderPath(SampledPath):
         self.train_loader = self.loader(train, drop_last=True)
         self.val_loader = self.loader(val, drop_last=False)
 
-    def datasets(self, splits: Splits | CustomSplits) -> tuple[KeyedImages, KeyedImages]:
+    def datasets(self, splits: Splits | CustomSplits) -> tuple[Any, Any]:
         """The train and validation sets the loaders read, decoded as each kind is."""
         cfg, seed = self.cfg, self.cfg.seed
         size = cfg.image_size
+        if isinstance(splits, FolderSplits) and self.decodes_on_device:
+            return (
+                EncodedFiles(splits.train_samples, seed, self.augment),
+                EncodedFiles(splits.val_samples, seed, "none"),
+            )
         if isinstance(splits, FolderSplits):
             return (
                 FolderDataset(splits.train_samples, size, seed, self.augment, **self.recipe()),
@@ -510,10 +580,13 @@ class LoaderPath(SampledPath):
             MemoryDataset(memory.val, seed, "none"),
         )
 
-    def loader(self, dataset: KeyedImages, drop_last: bool) -> LoaderBatches:
+    def loader(self, dataset: Any, drop_last: bool) -> LoaderBatches:
+        """Training's loader (DROP_LAST) or validation's, with its stage."""
+        stage = self.train_stage if drop_last else self.val_stage
         return LoaderBatches(
             dataset, self.cfg.per_gpu_batch, self.ctx.device, self.mean, self.std, self.workers,
-            self.channels_last, drop_last,
+            self.channels_last, drop_last, stage=stage,
+            collate_fn=collate_encoded if self.decodes_on_device else None,
         )  # fmt: skip
 
     def batches_of(self, indices: list[int], epoch: int, sizes: list[int]) -> Any:

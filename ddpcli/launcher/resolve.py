@@ -16,7 +16,7 @@ from typing import Any
 from ddpcli.config import TrainConfig
 from ddpcli.config.common import elastic_rendezvous
 from ddpcli.config.plan import RunPlan
-from ddpcli.config.train import global_batch_of, scaled_lr
+from ddpcli.config.train import JPEG_DATASETS, global_batch_of, scaled_lr
 from ddpcli.data.layout import STL10_SIDE, check_data_source, resize_side, training_augment
 from ddpcli.environments import LauncherEnv, check_meeting_place, left_aside
 from ddpcli.environments.world import DEFAULT_MASTER_PORT
@@ -111,6 +111,7 @@ def checked_settings(
     world_size = launcher.world_size if launcher is not None else resolved.world_size
     check_ra_reps(resolved.ra_reps, world_size)
     settled = {**resolved.model_dump(), **planned_batch(resolved, world_size)}
+    settled["decode"], settled["decode_reason"] = planned_decode(resolved, not resolved.cpu)
     # What --dry-run shows; every rank settles it again from the world it joined.
     global_batch = global_batch_of(settled["per_gpu_batch"], world_size, settled["accumulate"])
     peak_lr = scaled_lr(settled["lr"], global_batch, resolved.lr_base_batch, settled["lr_scaling"])
@@ -276,6 +277,35 @@ def driver_major(driver: str) -> int:
     """535 for "535.104.05"; 0 when nvidia-smi's answer is not a version."""
     head = driver.split(".")[0]
     return int(head) if head.isdigit() else 0
+
+
+def planned_decode(cfg: TrainConfig, on_gpu: bool) -> tuple[str, str | None]:
+    """`--decode auto`: on the rank's GPU (nvjpeg) where training reads JPEG files or shards;
+    on the CPU the loader workers decode, in parallel, at the scale each crop needs."""
+    if cfg.decode != "auto":
+        return cfg.decode, None
+    if cfg.dataset not in JPEG_DATASETS or cfg.data_path == "device":
+        return "cpu", "auto: training reads no JPEG files"
+    if not on_gpu:
+        return "cpu", "auto: a CPU run, whose loader workers decode in parallel"
+    return "gpu", "auto: a GPU run reading JPEGs"
+
+
+def checked_decoder(plan: RunPlan) -> tuple[str, str | None]:
+    """--decode gpu where this torchvision has the rank's decoder (nvjpeg on GPUs); `auto`
+    falls back to the workers' decode without it, a --decode gpu asked for is exit 2."""
+    from ddpcli.data.encoded import device_decoder_missing
+
+    if plan.decode != "gpu":
+        return plan.decode, plan.decode_reason
+    missing = device_decoder_missing("cpu" if plan.cpu else "cuda")
+    if missing is None:
+        return plan.decode, plan.decode_reason
+    if plan.decode_reason is not None:  # auto chose it
+        return "cpu", f"auto: {missing}"
+    raise usage_error(
+        f"invalid --decode: gpu needs the rank's JPEG decoder: {missing}; use --decode cpu"
+    )
 
 
 def planned_precision(plan: RunPlan) -> tuple[str, str | None]:

@@ -15,6 +15,7 @@ from ddpcli.data.sets import SKIPPED_IMAGES_FILE
 from ddpcli.dist import DistContext
 from ddpcli.training.compression import describe_gradients, start_step_warning
 from ddpcli.training.ema import WeightAverage, slow_average_warning
+from ddpcli.training.graphs import describe_compile
 from ddpcli.training.precision import has_tf32
 from ddpcli.training.schedule import Schedule
 from ddpcli.training.strategy import batch_split, model_devices
@@ -53,11 +54,13 @@ def announce_run(
     )
     ui.info(
         f"strategy {cfg.strategy} · data path {data.path_name} · "
-        f"compile {'on' if cfg.compile else 'off'}"
+        f"{describe_compile(cfg, ctx.device)}"
         f"{split_note(cfg, ctx, model, schedule.accumulate)}"
     )
     if streams := data.stream_line():  # --dataset shards: the order, streams and buffer
         ui.info(streams)
+    if decode := data.decode_line():  # image files and shards: where their JPEGs decode
+        ui.info(decode)
     announce_gradients(cfg, ctx, schedule, model)
     announce_ingredients(cfg, schedule, ema)
     if warning := skipped_images_warning(data.splits.skipped, cfg):

@@ -44,6 +44,14 @@ from ddpcli.outputs.summary import SUMMARY_FILE, RunSummary, StopRecord
 from ddpcli.outputs.trackers.fanout import Trackers, run_opening
 from ddpcli.training.checkpointing import Checkpointing
 from ddpcli.training.ema import WeightAverage, adjusted_decay
+from ddpcli.training.graphs import (
+    compiled,
+    eval_forward,
+    graphs_apply,
+    keep_gradients,
+    prepare_profiler,
+    step_begins,
+)
 from ddpcli.training.header import announce_run
 from ddpcli.training.metrics import StepTimer, means, memory_metrics, synced_time
 from ddpcli.training.microbatch import FakeOom, MicroBatches
@@ -66,8 +74,14 @@ class Trainer:
         configure_cuda_math(cfg.precision, ctx.device)
         parallel = build_parallel_model(cfg, ctx, data.splits.num_classes)
         self.model = parallel.model
-        self.forward_model = torch.compile(self.model) if cfg.compile else self.model
+        self.forward_model = compiled(self.model, cfg)
         self.optimizer = build_optimizer(cfg, self.model)
+        # --compile-mode reduce-overhead or max-autotune on GPUs (ddpcli.training.graphs).
+        self.graphs = graphs_apply(cfg, ctx.device)
+        if self.graphs:
+            keep_gradients(self.model)
+            if cfg.profile_window is not None:
+                prepare_profiler()
         self.schedule = Schedule(cfg, ctx.world_size, data)
         self.scheduler = self.schedule.lr_scheduler(self.optimizer)
         self.scaler = torch.amp.GradScaler(ctx.device.type, enabled=cfg.precision == "fp16")
@@ -90,8 +104,9 @@ class Trainer:
         )
         self.checkpoints = Checkpointing(cfg, ctx, data, parts, on_saved=self.checkpoint_saved)
         self.validation = Validation(
-            cfg, ctx, data, self.non_finite_stop, lambda: self.micro.size if self.micro else None
-        )
+            cfg, ctx, data, self.non_finite_stop, lambda: self.micro.size if self.micro else None,
+            eval_forward(cfg, ctx.device),
+        )  # fmt: skip
         self.out = cfg.out
         self.finite_step = 0  # the last step at which the loss was checked and finite
         self.steplog = StepLog(self.out, ctx.is_main)
@@ -365,6 +380,7 @@ class Trainer:
             "global_batch": self.schedule.global_batch,
             "world_size": ctx.world_size,
             "data_path": self.data.path_name,
+            **self.data.decode_figures(),
             **ranks,
             **memory_metrics(self.model, ctx),
         }
@@ -400,6 +416,9 @@ class Trainer:
         with self.gradient_sync(steps_now):
             with autocast_context(self.cfg, self.ctx):
                 self.fake_oom.check("forward", len(labels), self.state.step)
+                if self.graphs:
+                    step_begins()
+                # Under graphs the logits are a replay's output: read before the next call.
                 logits = self.forward_model(images)
                 loss = self.loss_fn(logits, targets)
             self.fake_oom.check("backward", len(labels), self.state.step)
@@ -413,7 +432,7 @@ class Trainer:
             self.fake_oom.check("step", len(labels), self.state.step)
             self.scaler.step(self.optimizer)
             self.scaler.update()
-            self.optimizer.zero_grad(set_to_none=True)
+            self.optimizer.zero_grad(set_to_none=not self.graphs)  # graphs keep .grad buffers
             self.scheduler.step()
         self.clock.compute_done(steps_now)
 

@@ -6,8 +6,9 @@ The launcher's plan (ddpcli.launcher.plan) knows the world it meant to start; th
 the world that formed (torchrun's may be another), the device it was given, whether this is
 a later round of the job (which continues from the last checkpoint), and how many
 micro-batches its epoch has. From those: the accumulation that keeps the global batch across
-a world change, the backend, `--precision auto` on a GPU, and the peak learning rate at the
-global batch of the steps really taken.
+a world change, the backend, `--precision auto` on a GPU (from its compute capability and
+the size of the step), and the peak learning rate at the global batch of the steps really
+taken.
 """
 
 from __future__ import annotations
@@ -20,7 +21,12 @@ from ddpcli import ui
 from ddpcli.checkpoint.loading import safe_load
 from ddpcli.checkpoint.schema import resume_path
 from ddpcli.config.plan import RunPlan
-from ddpcli.config.train import accumulate_keeping, global_batch_of, scaled_lr
+from ddpcli.config.train import (
+    CUDA_GRAPH_MODES,
+    accumulate_keeping,
+    global_batch_of,
+    scaled_lr,
+)
 from ddpcli.dist import DistContext, all_reduce_max
 from ddpcli.environments import LauncherEnv
 from ddpcli.training.precision import (
@@ -28,6 +34,7 @@ from ddpcli.training.precision import (
     auto_gpu_precision,
     gpu_capability,
     native_cpu_bf16,
+    training_gflop_per_step,
 )
 
 
@@ -110,5 +117,9 @@ def device_precision(plan: RunPlan, ctx: DistContext) -> tuple[str, str | None]:
     if plan.precision != "auto":
         return plan.precision, plan.precision_reason
     if ctx.device.type == "cuda":
-        return auto_gpu_precision(gpu_capability(ctx.device))
+        step_gflop = training_gflop_per_step(
+            plan.arch, plan.train_crop_size, plan.per_gpu_batch, plan.model_args
+        )
+        cuda_graphs = plan.compile and plan.compile_mode in CUDA_GRAPH_MODES
+        return auto_gpu_precision(gpu_capability(ctx.device), step_gflop, cuda_graphs)
     return auto_cpu_precision(plan.arch, native_cpu_bf16())

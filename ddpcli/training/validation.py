@@ -14,6 +14,7 @@ from ddpcli.config.plan import RunPlan
 from ddpcli.data.pipeline import DataPath
 from ddpcli.dist import DistContext, all_reduce_sum, broadcast_from_rank0
 from ddpcli.training.ema import WeightAverage
+from ddpcli.training.graphs import EvalForward
 from ddpcli.training.parts import autocast_context
 
 NOT_VALIDATED = {"val_loss": None, "val_acc": None, "val_samples": None}
@@ -30,11 +31,14 @@ class Validation:
         data: DataPath,
         not_finite: Callable[[str], Exception],
         micro_batch: Callable[[], int | None] = lambda: None,
+        forward: EvalForward | None = None,
     ) -> None:
         self.cfg, self.ctx, self.data = cfg, ctx, data
         self.not_finite = not_finite
         # --per-gpu-batch auto: the training micro-batch, which bounds validation's too.
         self.micro_batch = micro_batch
+        # Eager, or under CUDA graphs the full batches in graphs (ddpcli.training.graphs).
+        self.forward = forward or EvalForward(cfg.per_gpu_batch)
 
     def epoch_metrics(self, model: nn.Module, ema: WeightAverage | None) -> dict[str, Any]:
         """`val_loss`, `val_acc`, `val_samples`; with --ema, `ema_val_loss` and `ema_val_acc`
@@ -59,7 +63,7 @@ class Validation:
                 batch_images.split(at_most), batch_labels.split(at_most), strict=True
             ):
                 with autocast_context(self.cfg, self.ctx):
-                    logits = model(images)
+                    logits = self.forward(model, images)  # a replay's: summed before the next
                     loss = nn.functional.cross_entropy(logits, labels, reduction="sum")
                 sums[0] += loss.double()
                 sums[1] += (logits.argmax(1) == labels).sum()

@@ -58,6 +58,17 @@ DataPath = Annotated[
     ),
 ]
 
+Decode = Annotated[
+    str | None,
+    train_option(
+        "decode",
+        "Where JPEGs of image folders and shards are decoded: cpu, in the loader workers; "
+        "gpu, batched on the rank's device (nvjpeg on GPUs), the workers only reading bytes; "
+        "auto: gpu on GPUs for image folders and shards, else cpu.",
+        PANEL,
+    ),
+]
+
 Workers = Annotated[
     int | None,
     train_option("workers", panel=PANEL, default="CPU cores per local rank - 1, at most 8"),

@@ -159,6 +159,16 @@ Precision = Annotated[
 
 Compile = Annotated[bool | None, train_option("compile", "torch.compile the model.", PANEL)]
 
+CompileMode = Annotated[
+    str | None,
+    train_option(
+        "compile_mode",
+        "torch.compile's mode with --compile: reduce-overhead captures CUDA graphs of the "
+        "step (on GPUs); max-autotune also tunes kernels.",
+        PANEL,
+    ),
+]
+
 MaxSteps = Annotated[
     int | None,
     train_option("max_steps", "Stop after N optimizer steps.", PANEL, default="no limit"),

@@ -20,13 +20,14 @@ from __future__ import annotations
 import functools
 import os
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, cast
 
 import torch
 
 from ddpcli.config.data import BUFFER_BOUNDS, BUFFER_MEMORY_FRACTION
+from ddpcli.data.encoded import EncodedBatch, EncodedItem, EncodedMembers, joined
 from ddpcli.data.loader import FolderDataset, die_with_rank, tmpdir_too_long
 from ddpcli.data.resharding import LEAST_BATCH, remaining_batch_sizes, remaining_steps
 from ddpcli.data.shards.checks import check_resumed_index
@@ -51,6 +52,10 @@ from ddpcli.errors import runtime_error
 from ddpcli.process import multiprocessing_sockets_fit
 from ddpcli.ui import byte_size
 
+# What the rank makes of its workers' batches (pixels, labels) on its device: the pixels
+# normalised (ddpcli.data.loader.Normalise), or --decode gpu's DecodeOnDevice.
+Stage = Callable[[Any, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
 
 class MemberImages(FolderDataset):
     """A shard member decoded and augmented as an image file of the folder path is
@@ -73,7 +78,11 @@ class ShardStreams(torch.utils.data.IterableDataset):
     with the worker's number."""
 
     def __init__(
-        self, store: ShardStore, table: ShardTable, images: MemberImages, chunk: int
+        self,
+        store: ShardStore,
+        table: ShardTable,
+        images: MemberImages | EncodedMembers,
+        chunk: int,
     ) -> None:
         self.store, self.table, self.images, self.chunk = store, table, images, chunk
         self.plan: EpochPlan | None = None
@@ -82,29 +91,35 @@ class ShardStreams(torch.utils.data.IterableDataset):
     def set_parts(self, plan: EpochPlan, parts: list[list[Piece]]) -> None:
         self.plan, self.parts = plan, parts
 
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]]:
+    def __iter__(self) -> Iterator[tuple[Any, torch.Tensor, torch.Tensor, int]]:
         info = torch.utils.data.get_worker_info()
         worker = info.id if info is not None else 0
         if self.plan is None or worker >= len(self.parts):
             return
         held: list[RawSample] = []
-        images: list[torch.Tensor] = []
+        images: list[Any] = []
         for sample in part_samples(self.store, self.table, self.plan, self.parts[worker]):
             held.append(sample)
             images.append(self.images.image(sample, self.plan.epoch))
             if len(held) == self.chunk:
-                yield chunk_of(held, images, worker)
+                yield chunk_of(held, images, worker, self.plan.epoch)
                 held, images = [], []
         if held:
-            yield chunk_of(held, images, worker)
+            yield chunk_of(held, images, worker, self.plan.epoch)
 
 
 def chunk_of(
-    samples: list[RawSample], images: list[torch.Tensor], worker: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    samples: list[RawSample], images: list[Any], worker: int, epoch: int
+) -> tuple[Any, torch.Tensor, torch.Tensor, int]:
+    """Up to CHUNK samples: their pixels stacked, or (--decode gpu) their EncodedItems in
+    one EncodedBatch; their labels, numbers and the worker's number."""
     labels = torch.tensor([sample.label for sample in samples], dtype=torch.int64)
-    numbers = torch.tensor([sample.number for sample in samples], dtype=torch.int64)
-    return torch.stack(images), labels, numbers, worker
+    numbers = [sample.number for sample in samples]
+    if isinstance(images[0], EncodedItem):
+        batch: Any = EncodedBatch.of(images, numbers, epoch)
+    else:
+        batch = torch.stack(images)
+    return batch, labels, torch.tensor(numbers, dtype=torch.int64), worker
 
 
 class LatestKeys:
@@ -127,17 +142,18 @@ class LatestKeys:
 
 class RankBatches:
     """The rank's micro-batches, of SIZES samples, cut from the chunks its workers hand
-    over (the DataLoader serves them in turn); which of each part's outputs every batch
-    took is counted, so a checkpoint knows exactly what was trained."""
+    over (the DataLoader serves them in turn) and made the device's batch by STAGE; which of
+    each part's outputs every batch took is counted, so a checkpoint knows exactly what was
+    trained."""
 
     def __init__(
         self,
         loader: torch.utils.data.DataLoader,
         sizes: list[int],
         parts: int,
-        normalise: Normalise,
+        stage: Stage,
     ) -> None:
-        self.loader, self.sizes, self.parts, self.normalise = loader, sizes, parts, normalise
+        self.loader, self.sizes, self.parts, self.stage = loader, sizes, parts, stage
         self.keys = LatestKeys()
         # After each batch handed out: how many outputs of each part were trained so far.
         self.consumed_after: list[list[int]] = []
@@ -149,10 +165,10 @@ class RankBatches:
         if not self.sizes:
             return
         chunks = iter(self.loader)
-        held: deque[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]] = deque()
+        held: deque[tuple[Any, torch.Tensor, torch.Tensor, int]] = deque()
         consumed = [0] * self.parts
         for size in self.sizes:
-            taken: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+            taken: list[tuple[Any, torch.Tensor, torch.Tensor]] = []
             while size:
                 if not held:
                     held.append(self.next_chunk(chunks))
@@ -165,12 +181,10 @@ class RankBatches:
                 size -= count
             self.consumed_after.append(list(consumed))
             self.keys.hand_out(torch.cat([numbers for _, _, numbers in taken]).tolist())
-            images = torch.cat([images for images, _, _ in taken])
-            yield self.normalise(images, torch.cat([labels for _, labels, _ in taken]))
+            images = joined([images for images, _, _ in taken])
+            yield self.stage(images, torch.cat([labels for _, labels, _ in taken]))
 
-    def next_chunk(
-        self, chunks: Iterator[Any]
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    def next_chunk(self, chunks: Iterator[Any]) -> tuple[Any, torch.Tensor, torch.Tensor, int]:
         try:
             images, labels, numbers, worker = next(chunks)
         except StopIteration:
@@ -179,26 +193,6 @@ class RankBatches:
                 "hold fewer samples than their index says; run `ddpcli data verify`"
             ) from None
         return images, labels, numbers, int(worker)
-
-
-class Normalise:
-    """uint8 batches onto the device, normalised there (as the folder path's loader does)."""
-
-    def __init__(self, device: torch.device, mean, std, channels_last: bool) -> None:
-        self.device = device
-        self.mean = torch.tensor(mean, device=device).view(1, 3, 1, 1)
-        self.std = torch.tensor(std, device=device).view(1, 3, 1, 1)
-        self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
-
-    def __call__(
-        self, images: torch.Tensor, labels: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        images = images.to(self.device, non_blocking=True)
-        images = (images.float().div_(255) - self.mean) / self.std
-        return (
-            images.contiguous(memory_format=self.memory_format),
-            labels.to(self.device, non_blocking=True),
-        )
 
 
 def default_buffer(table: ShardTable, split_bytes: int, local_streams: int) -> int:
@@ -230,13 +224,17 @@ class ShardFeed:
         cfg: Any,  # ddpcli.config.TrainConfig
         ctx: DistContext,
         workers: int,
-        normalise: Normalise,
-        train_images: MemberImages,
-        val_images: MemberImages,
+        train_images: MemberImages | EncodedMembers,
+        val_images: MemberImages | EncodedMembers,
+        train_stage: Stage,
+        val_stage: Stage,
     ) -> None:
+        """TRAIN_IMAGES and VAL_IMAGES: what the workers make of each member (pixels, or
+        --decode gpu's bytes); TRAIN_STAGE and VAL_STAGE: what the rank makes of it."""
         if workers and not multiprocessing_sockets_fit():
             raise tmpdir_too_long()
-        self.cfg, self.ctx, self.workers, self.normalise = cfg, ctx, workers, normalise
+        self.cfg, self.ctx, self.workers = cfg, ctx, workers
+        self.train_stage, self.val_stage = train_stage, val_stage
         self.parts = max(1, workers)  # the rank's streams: its workers, or itself
         self.store = shard_store(splits.location)
         train, val = splits.index.splits["train"], splits.index.splits["val"]
@@ -299,7 +297,7 @@ class ShardFeed:
         self.train_streams.set_parts(plan, parts)
         self.current_plan, self.current_parts = plan, parts
         self.current = RankBatches(
-            self.loader(self.train_streams), sizes, self.parts, self.normalise
+            self.loader(self.train_streams), sizes, self.parts, self.train_stage
         )
         return self.current
 
@@ -319,7 +317,7 @@ class ShardFeed:
             streams,
             batch_size=None,
             num_workers=workers,
-            pin_memory=self.normalise.device.type == "cuda",
+            pin_memory=self.ctx.device.type == "cuda",
             prefetch_factor=2 if workers else None,
             worker_init_fn=functools.partial(die_with_rank, os.getpid()),
         )
@@ -339,7 +337,7 @@ class ShardFeed:
         count = pieces_length([piece for part in parts for piece in part])
         sizes = [batch] * (count // batch) + ([count % batch] if count % batch else [])
         self.val_streams.set_parts(plan, parts)
-        return RankBatches(self.loader(self.val_streams), sizes, self.parts, self.normalise)
+        return RankBatches(self.loader(self.val_streams), sizes, self.parts, self.val_stage)
 
     # --- where the epoch stands
     def position(self, batch_in_epoch: int, epoch_start: int) -> dict[str, Any] | None:
