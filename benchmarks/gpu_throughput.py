@@ -63,7 +63,11 @@ PEAK_BF16_TFLOPS = [
     ("H200 NVL", 835.0),
     ("H100", 989.0),  # SXM ("H100 80GB HBM3")
     ("H200", 989.0),
+    ("B200", 2250.0),
     ("A100", 312.0),
+    ("L40S", 362.0),
+    ("L40", 181.0),
+    ("L4", 121.0),  # after L40S and L40, whose names contain it
 ]
 # The compute-bound model MFU is quoted at (table 1b): arch, image size, per-process batch.
 MFU_MODEL = ("resnet50", 224, 64)

@@ -63,7 +63,9 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # imagefolder_parity's digits
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # imagefolder_parity, imagenet_sized
+
+from imagenet_sized import smooth_colour  # noqa: E402
 
 from ddpcli.data.augment import crop_box_one  # noqa: E402
 from ddpcli.data.decode import EncodedImage, read_resized_crop  # noqa: E402
@@ -120,12 +122,7 @@ def photo(seed: int) -> np.ndarray:
     variety): smooth colour waves plus grain, so a JPEG of it is of a photograph's size."""
     rng = np.random.default_rng(seed)
     height, width = int(rng.integers(330, 376)), int(rng.integers(440, 501))
-    scale = rng.uniform(20, 80)
-    x, y = np.arange(width) / scale, np.arange(height)[:, None] / scale
-    waves = [np.sin(x * rng.uniform(0.3, 2) + rng.uniform(0, 6)) + np.cos(y * rng.uniform(0.3, 2))
-             for _ in range(3)]  # fmt: skip
-    pixels = np.stack(waves, -1).astype(np.float32)
-    pixels = (pixels - pixels.min()) * (255 / np.ptp(pixels))
+    pixels = smooth_colour(rng, height, width)
     pixels += rng.standard_normal(pixels.shape, dtype=np.float32) * 10
     return pixels.clip(0, 255).astype(np.uint8)
 
