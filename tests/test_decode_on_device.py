@@ -122,22 +122,24 @@ def test_crop_and_flip_and_auto_augment_match_the_cpu_path(tmp_path):
 
 def test_images_nvjpeg_does_not_take_travel_as_pixels_and_are_counted(tmp_path):
     samples = write_photos(tmp_path, [(40, 56)])
-    extra = [("p.png", "RGB"), ("cmyk.jpg", "CMYK"), ("grey.jpg", "L")]
+    extra = [("p.png", "RGB"), ("cmyk.jpg", "CMYK"), ("grey.jpg", "L"), ("prog.jpg", "RGB")]
     for name, mode in extra:
         image = photo(44, 52, 9).convert(mode)
-        image.save(tmp_path / name)
+        image.save(tmp_path / name, **({"progressive": True} if name == "prog.jpg" else {}))
         samples.append((tmp_path / name, 0))
-    keys = [0, 1, 2, 3]
+    keys = [0, 1, 2, 3, 4]
     ours, stage = on_device_batch(samples, keys, "rrc", 32)
     theirs = cpu_path_batch(samples, keys, "rrc", 32)
     assert (ours[0] - theirs[0]).abs().max() <= 1
-    # The CPU path resizes those three with PIL's resampler, this path with torch's: the
-    # same filter, computed apart (measured: mean 0.3, at most 6 levels).
+    # Where the CPU path resizes with PIL's resampler (not the progressive JPEG, which it
+    # decodes straight), this path with torch's: the same filter, computed apart (measured:
+    # mean 0.3, at most 6 levels).
     difference = (ours[1:] - theirs[1:]).abs()
     assert difference.mean() < 1 and difference.max() <= 8, (difference.mean(), difference.max())
-    assert stage.decoded_on_cpu == 3  # the PNG, the CMYK and the grey JPEG
+    assert (ours[4] - theirs[4]).abs().max() <= 1
+    assert stage.decoded_on_cpu == 4  # the PNG, the CMYK, grey and progressive JPEGs
     batch, _ = collate_encoded([EncodedFiles(samples, SEED, "rrc")[(key, 0)] for key in keys])  # type: ignore[arg-type]
-    assert batch.raw.tolist() == [False, True, True, True]
+    assert batch.raw.tolist() == [False, True, True, True, True]
 
 
 def test_an_unreadable_file_is_named(tmp_path):

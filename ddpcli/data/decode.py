@@ -202,18 +202,28 @@ def libjpeg_decoder() -> Callable[[torch.Tensor], torch.Tensor] | None:
 # of the Huffman-coded frames PIL and torchvision both read with libjpeg's default settings.
 FRAME_MARKERS = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}  # not DHT, JPG, DAC
 HUFFMAN_FRAMES = (0xC0, 0xC1, 0xC2)  # baseline, extended sequential, progressive
+BASELINE_FRAME = 0xC0
 
 
 class JpegFrame(NamedTuple):
     """What a JPEG's frame header says: the stored size, the components (1 grey, 3 colour,
-    4 CMYK), the bits per sample, and whether it is Huffman-coded (baseline, extended or
-    progressive: what libjpeg's default settings and nvjpeg read)."""
+    4 CMYK), the bits per sample, and its start-of-frame marker: Huffman-coded (baseline,
+    extended or progressive: what libjpeg's default settings and nvjpeg read) or not."""
 
     height: int
     width: int
     components: int
     precision: int
-    huffman: bool
+    marker: int
+
+    @property
+    def huffman(self) -> bool:
+        return self.marker in HUFFMAN_FRAMES
+
+    @property
+    def baseline(self) -> bool:
+        """Baseline sequential: what a GPU's hardware JPEG decoder takes in batches."""
+        return self.marker == BASELINE_FRAME
 
     def within_bomb_limit(self) -> bool:
         from PIL import Image
@@ -239,7 +249,7 @@ def jpeg_frame(data: bytes) -> JpegFrame | None:
             position += 1
         elif marker in FRAME_MARKERS:
             precision, height, width, components = struct.unpack_from(">BHHB", data, position + 4)
-            return JpegFrame(height, width, components, precision, marker in HUFFMAN_FRAMES)
+            return JpegFrame(height, width, components, precision, marker)
         else:  # APPn, DQT, DHT...: skip the segment by its length
             position += 2 + int.from_bytes(data[position + 2 : position + 4], "big")
     return None

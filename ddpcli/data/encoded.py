@@ -6,8 +6,10 @@ work is split in two halves:
 - the workers' half (`EncodedFiles`, `EncodedMembers`): read each file's bytes, its stored
   size from the JPEG's frame header, and draw its crop box from that size with the CPU
   path's own draw (`crop_box_one`: a seed gives the same boxes on both paths). An image
-  the device's decoder does not take (PNG, CMYK, 12-bit, a header it cannot read) is
-  decoded by the worker with PIL instead, as the CPU path would, and travels as pixels.
+  the device's decoder does not take in its batches (PNG, CMYK, grey, 12-bit, and
+  progressive JPEGs, which torchvision's nvjpeg call decodes one at a time with a Huffman
+  pass on the rank's own thread) is decoded by the worker with PIL instead, as the CPU path
+  would, and travels as pixels.
   A batch of either travels as one byte buffer (`EncodedBatch`): one shared-memory block
   per batch, not one per image.
 - the rank's half (`DecodeOnDevice`): the batch's JPEGs decoded at once on its device
@@ -95,7 +97,7 @@ def encoded_item(source: ImageSource, box_for: Any = None) -> EncodedItem:
     be read fails here, naming it, as on the CPU path."""
     image = encoded(source)
     frame = jpeg_frame(image.data)
-    if frame is not None and frame.straight():
+    if frame is not None and frame.straight() and frame.baseline:
         data = torch.frombuffer(bytearray(image.data), dtype=torch.uint8)
         height, width, raw = frame.height, frame.width, False
     else:  # PIL decodes it here, as ImageFolder would (named_failures inside)

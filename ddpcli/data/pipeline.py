@@ -192,8 +192,8 @@ class DataPath(ABC):
 
     def decode_figures(self) -> dict[str, int]:
         """--decode gpu: images decoded on the CPU instead since the last call, the epoch's
-        (nvjpeg does not take them: PNG, CMYK, grey), over every rank: a collective, every
-        rank calls it. {} else."""
+        (nvjpeg's batches do not take them: PNG, CMYK, grey, progressive), over every rank:
+        a collective, every rank calls it. {} else."""
         if not self.decodes_on_device:
             return {}
         stages = cast(list[DecodeOnDevice], [self.train_stage, self.val_stage])
@@ -217,8 +217,8 @@ class DataPath(ABC):
         return (
             f"decode gpu{reason}: the loader workers read the bytes; {stage.describe()} "
             "decodes each batch, crops, flips and normalises it there; images it does not "
-            "take (PNG, CMYK, grey) are decoded on the CPU, counted in metrics.jsonl's "
-            "decoded_on_cpu"
+            "take (PNG, CMYK, grey, progressive) are decoded on the CPU, counted in "
+            "metrics.jsonl's decoded_on_cpu"
         )
 
     def recipe(self) -> dict:
