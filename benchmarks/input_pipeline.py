@@ -21,6 +21,10 @@ contender alike, these contenders (each: random-resized crop at the size, flip, 
 - `ddpcli shards`: the shards streamed as `ddpcli train --dataset shards` reads them
   (ddpcli.data.shards.feed.ShardStreams: the epoch's plan, one stream per worker, the
   shuffle buffer), decoded as the folder path decodes;
+- `ddpcli folder|shards bytes only (--decode gpu's workers)`: what the loader workers do
+  under `--decode gpu` (ddpcli.data.encoded): read each file's bytes, its size from the JPEG
+  header, draw its box; the decode, crop and resize are left to the rank's GPU, not timed
+  here. How many workers a GPU's pace needs, against the two rows above;
 - `webdataset`: the webdataset library's own pipeline on the same shards (WebDataset,
   shuffle, decode("pil"), to_tuple, the torchvision transform above);
 - `... over HTTP`: the same, from a local HTTP server (another process) that waits
@@ -314,6 +318,15 @@ def folder_loader(ctx: Context, size: int) -> Iterable[Any]:
     return ctx.loader(Keyed(FolderDataset(samples, size, seed=0, augment="rrc")))
 
 
+def folder_bytes_loader(ctx: Context, size: int) -> Iterable[Any]:
+    """--decode gpu's workers' half: each file's bytes, its header read and its box drawn;
+    the decode and the crop are left to the rank's GPU (not timed here)."""
+    from ddpcli.data.encoded import EncodedFiles, collate_encoded
+
+    samples = folder_samples(ctx.train, folder_classes(ctx.train))
+    return ctx.loader(Keyed(EncodedFiles(samples, seed=0, augment="rrc")), collate_encoded)
+
+
 def folder_val_loader(ctx: Context, size: int) -> Iterable[Any]:
     samples = folder_samples(ctx.train, folder_classes(ctx.train))
     return ctx.loader(Keyed(FolderDataset(samples, size, seed=0, augment="none")))
@@ -357,9 +370,11 @@ def torchvision_val_loader(ctx: Context, size: int) -> Iterable[Any]:
     return ctx.loader(ImageFolder(str(ctx.train), transform=transform))
 
 
-def shards_loader(location: str, ctx: Context, size: int) -> Iterable[Any]:
+def shards_loader(location: str, ctx: Context, size: int, encoded: bool = False) -> Iterable[Any]:
     """One rank's streams as `ddpcli train --dataset shards` reads them: the epoch's plan
-    dealt to this rank's workers, each streaming its part through the shuffle buffer."""
+    dealt to this rank's workers, each streaming its part through the shuffle buffer.
+    ENCODED: --decode gpu's workers' half (bytes, header, box; the rank's GPU decodes)."""
+    from ddpcli.data.encoded import EncodedMembers
     from ddpcli.data.shards.feed import MemberImages, ShardStreams
     from ddpcli.data.shards.index import read_index
     from ddpcli.data.shards.plan import deal, fresh_plan, shard_table, whole_streams
@@ -367,7 +382,7 @@ def shards_loader(location: str, ctx: Context, size: int) -> Iterable[Any]:
 
     table = shard_table(read_index(location).splits["train"])
     parts = max(1, ctx.args.workers)
-    images = MemberImages(size, seed=0, augment="rrc")
+    images: Any = EncodedMembers(0, "rrc") if encoded else MemberImages(size, 0, "rrc")
     streams = ShardStreams(shard_store(location), table, images, ctx.args.batch)
     plan = fresh_plan(table, seed=0, epoch=0, ranks=1, workers=parts, buffer=ctx.args.buffer)
     streams.set_parts(plan, deal(whole_streams(plan), 1, parts)[0])
@@ -408,10 +423,10 @@ class Context:
         if args.s3:
             self.s3, self.s3_server = start_s3(self.shards)
 
-    def loader(self, dataset: Dataset) -> Iterable[Any]:
+    def loader(self, dataset: Dataset, collate: Any = None) -> Iterable[Any]:
         return DataLoader(
             dataset, batch_size=self.args.batch, shuffle=True, num_workers=self.args.workers,
-            prefetch_factor=4 if self.args.workers else None,
+            prefetch_factor=4 if self.args.workers else None, collate_fn=collate,
         )  # fmt: skip
 
     def contenders(self) -> dict[str, Callable[[int], Iterable[Any]]]:
@@ -421,6 +436,12 @@ class Context:
             "ddpcli folder": functools.partial(folder_loader, self),
             BASELINE: functools.partial(torchvision_loader, self),
             "ddpcli shards": functools.partial(shards_loader, str(self.shards), self),
+            "ddpcli folder bytes only (--decode gpu's workers)": functools.partial(
+                folder_bytes_loader, self
+            ),
+            "ddpcli shards bytes only (--decode gpu's workers)": functools.partial(
+                shards_loader, str(self.shards), self, encoded=True
+            ),
             "webdataset shards": functools.partial(
                 webdataset_loader, [str(path) for path in train_shards(self.shards)], self
             ),
