@@ -8,8 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from tests.conftest import REPO, benchmark_module, clean_env
+from conftest import REPO, benchmark_module, clean_env
 
 BENCHMARKS = REPO / "benchmarks"
 

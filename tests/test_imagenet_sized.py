@@ -5,9 +5,8 @@ import json
 import subprocess
 import sys
 
+from conftest import REPO, benchmark_module, clean_env
 from PIL import Image
-
-from tests.conftest import REPO, benchmark_module, clean_env
 
 SCRIPT = REPO / "benchmarks" / "imagenet_sized.py"
 

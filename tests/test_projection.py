@@ -3,8 +3,7 @@
 are ddpcli's own."""
 
 import pytest
-
-from tests.conftest import benchmark_module
+from conftest import benchmark_module
 
 
 @pytest.fixture(scope="module")
