@@ -424,16 +424,10 @@ def decode_times(jpeg_dir: Path, device, count: int = 200) -> dict[str, float]:
 
 
 def train_gflop_per_image(arch: str, image_size: int) -> float:
-    import torch
-    from torch.utils.flop_counter import FlopCounterMode
+    """As `--precision auto` counts it: one image's forward x 3 (backward about twice it)."""
+    from ddpcli.training.precision import training_gflop_per_image
 
-    from ddpcli.models.build import build_model
-
-    model = build_model(arch, num_classes=10).eval()  # batch norm over one image
-    counter = FlopCounterMode(display=False)
-    with counter, torch.no_grad():
-        model(torch.zeros(1, 3, image_size, image_size))
-    return 3 * counter.get_total_flops() / 1e9  # backward costs about twice the forward
+    return training_gflop_per_image(arch, image_size)
 
 
 def device_name(device) -> str:

@@ -21,6 +21,7 @@ from ddpcli.data.augment import (
 )
 from ddpcli.data.autoaugment import auto_augment_images
 from ddpcli.data.layout import Augment
+from ddpcli.data.loader import Normalise
 from ddpcli.data.resharding import split_in_batches
 from ddpcli.data.sets import ImageSet
 
@@ -58,11 +59,9 @@ class DeviceResidentBatches:
         self.image_size = image_size or images.images.shape[-1]
         self.batch_size = batch_size
         self.device = device
-        self.mean = torch.tensor(mean, device=device).view(1, 3, 1, 1)
-        self.std = torch.tensor(std, device=device).view(1, 3, 1, 1)
+        self.normalise = Normalise(device, mean, std, channels_last)
         self.augment = augment
         self.seed, self.epoch = seed, epoch
-        self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
         if batch_sizes is None:
             batch_sizes = split_in_batches(len(indices), batch_size, drop_last)
         self.batch_sizes = batch_sizes
@@ -106,8 +105,7 @@ class DeviceResidentBatches:
                 images = auto_augment_images(
                     pixels, cpu_keys, self.seed, self.epoch, self.auto_augment
                 )
-            images = (images.float().div_(255) - self.mean) / self.std
-            yield images.contiguous(memory_format=self.memory_format), self.labels[batch]
+            yield self.normalise(images, self.labels[batch])
 
 
 def crop_and_flip_batch(

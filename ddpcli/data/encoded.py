@@ -47,7 +47,9 @@ from ddpcli.data.decode import (
     named_failures,
     read_rgb,
 )
+from ddpcli.data.device import crop_and_flip_batch
 from ddpcli.data.layout import Augment, Sample, resize_side
+from ddpcli.data.loader import Normalise
 
 # torchvision's ImageReadMode.RGB: colour out, whatever the JPEG holds.
 RGB_MODE = 3
@@ -254,9 +256,7 @@ class DecodeOnDevice:
         self.device, self.augment, self.size, self.seed = device, augment, size, seed
         self.view = view or (resize_side(size), size)
         self.auto_augment = auto_augment
-        self.mean = torch.tensor(mean, device=device).view(1, 3, 1, 1)
-        self.std = torch.tensor(std, device=device).view(1, 3, 1, 1)
-        self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
+        self.normalise = Normalise(device, mean, std, channels_last)
         self.decoded_on_cpu = 0
 
     def __call__(
@@ -271,8 +271,6 @@ class DecodeOnDevice:
             flips = batch.boxes[:, 4].to(torch.bool).to(self.device, non_blocking=True)
             images = torch.where(flips.view(-1, 1, 1, 1), images.flip(-1), images)
         elif self.augment == "crop-flip":
-            from ddpcli.data.device import crop_and_flip_batch
-
             keys = batch.keys.to(self.device, non_blocking=True)
             images = crop_and_flip_batch(images, keys, self.seed, batch.epoch)
         if self.auto_augment is not None:  # torchvision's policies take uint8 pixels
@@ -280,11 +278,7 @@ class DecodeOnDevice:
             images = auto_augment_images(
                 pixels_u8, batch.keys, self.seed, batch.epoch, self.auto_augment
             ).float()
-        images = (images.div_(255) - self.mean) / self.std
-        return (
-            images.contiguous(memory_format=self.memory_format),
-            labels.to(self.device, non_blocking=True),
-        )
+        return self.normalise(images, labels)
 
     # --- decoding
     def decoded(self, batch: EncodedBatch) -> list[torch.Tensor]:
@@ -294,9 +288,10 @@ class DecodeOnDevice:
         heights, widths = batch.sizes[:, 0].tolist(), batch.sizes[:, 1].tolist()
         out: list[torch.Tensor | None] = [None] * len(items)
         jpegs = [row for row, is_raw in enumerate(raw) if not is_raw]
-        for row, image in zip(
-            jpegs, self.decode_jpegs([items[row] for row in jpegs], batch), strict=True
-        ):
+        decoded = self.decode_jpegs(
+            [items[row] for row in jpegs], [batch.names[row] for row in jpegs]
+        )
+        for row, image in zip(jpegs, decoded, strict=True):
             out[row] = image
         for row in (row for row, is_raw in enumerate(raw) if is_raw):
             shape = (3, heights[row], widths[row])
@@ -304,28 +299,23 @@ class DecodeOnDevice:
             self.decoded_on_cpu += 1
         return out  # type: ignore[return-value]  # every row filled
 
-    def decode_jpegs(self, jpegs: list[torch.Tensor], batch: EncodedBatch) -> list[torch.Tensor]:
+    def decode_jpegs(self, jpegs: list[torch.Tensor], names: list[str]) -> list[torch.Tensor]:
+        """The JPEGS (bytes), decoded on the device; NAMES name them in an error."""
         if not jpegs:
             return []
         if self.device.type != "cuda":
-            return [self.on_cpu(data, batch, index) for index, data in enumerate(jpegs)]
+            return [on_cpu(data, name) for data, name in zip(jpegs, names, strict=True)]
         try:
             return nvjpeg_decoder()(jpegs, RGB_MODE, self.device)
         except RuntimeError:  # one file nvjpeg refuses fails the batch: each on its own
-            return [self.one_on_gpu(data, batch, index) for index, data in enumerate(jpegs)]
+            return [self.one_on_gpu(data, name) for data, name in zip(jpegs, names, strict=True)]
 
-    def one_on_gpu(self, data: torch.Tensor, batch: EncodedBatch, index: int) -> torch.Tensor:
+    def one_on_gpu(self, data: torch.Tensor, name: str) -> torch.Tensor:
         try:
             return nvjpeg_decoder()([data], RGB_MODE, self.device)[0]
-        except RuntimeError:  # e.g. a progressive JPEG where nvjpeg's backend has none
+        except RuntimeError:  # e.g. a chroma subsampling nvjpeg does not know
             self.decoded_on_cpu += 1
-            return self.on_cpu(data, batch, index).to(self.device)
-
-    def on_cpu(self, data: torch.Tensor, batch: EncodedBatch, index: int) -> torch.Tensor:
-        """libjpeg-turbo on the CPU, PIL's pixels; a corrupt file fails naming it."""
-        name = jpeg_names(batch)[index]
-        with named_failures(name):
-            return jpeg_pixels(bytes(data.numpy()))
+            return on_cpu(data, name).to(self.device)
 
     # --- the view
     def viewed(self, image: torch.Tensor, box: torch.Tensor) -> torch.Tensor:
@@ -348,6 +338,8 @@ class DecodeOnDevice:
         return f"{where} on {self.device}"
 
 
-def jpeg_names(batch: EncodedBatch) -> list[str]:
-    """The names of BATCH's JPEG items, in the order decode_jpegs takes them."""
-    return [name for name, raw in zip(batch.names, batch.raw.tolist(), strict=True) if not raw]
+def on_cpu(data: torch.Tensor, name: str) -> torch.Tensor:
+    """The JPEG DATA decoded by libjpeg-turbo on the CPU (PIL's pixels); a corrupt file
+    fails naming it, NAME."""
+    with named_failures(name):
+        return jpeg_pixels(bytes(data.numpy()))

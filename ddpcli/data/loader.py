@@ -9,6 +9,7 @@ import abc
 import functools
 import os
 import tempfile
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -212,6 +213,11 @@ class LoaderBatches:
     def __iter__(self):
         for images, labels in self.loader:
             yield self.stage(images, labels)
+
+
+# What the rank makes of its workers' batches (pixels or encoded, labels) on its device:
+# the pixels normalised (Normalise), or --decode gpu's DecodeOnDevice (ddpcli.data.encoded).
+Stage = Callable[[Any, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 class Normalise:

@@ -44,6 +44,7 @@ from ddpcli.data.loader import (
     LoaderBatches,
     MemoryDataset,
     Normalise,
+    Stage,
     default_workers,
 )
 from ddpcli.data.ra_sampler import repeated_shard
@@ -64,7 +65,7 @@ from ddpcli.data.sets import (
     Splits,
     view_set,
 )
-from ddpcli.data.shards.feed import MemberImages, ShardFeed, Stage
+from ddpcli.data.shards.feed import MemberImages, ShardFeed
 from ddpcli.dist import DistContext, all_reduce_sum
 from ddpcli.errors import USAGE, agreed_error
 
@@ -549,8 +550,8 @@ class LoaderPath(SampledPath):
         super().__init__(splits, cfg, ctx)
         train, val = self.datasets(splits)
         self.train_size, self.val_size = len(train), len(val)
-        self.train_loader = self.loader(train, drop_last=True)
-        self.val_loader = self.loader(val, drop_last=False)
+        self.train_loader = self.loader(train, self.train_stage, drop_last=True)
+        self.val_loader = self.loader(val, self.val_stage, drop_last=False)
 
     def datasets(self, splits: Splits | CustomSplits) -> tuple[Any, Any]:
         """The train and validation sets the loaders read, decoded as each kind is."""
@@ -580,9 +581,7 @@ class LoaderPath(SampledPath):
             MemoryDataset(memory.val, seed, "none"),
         )
 
-    def loader(self, dataset: Any, drop_last: bool) -> LoaderBatches:
-        """Training's loader (DROP_LAST) or validation's, with its stage."""
-        stage = self.train_stage if drop_last else self.val_stage
+    def loader(self, dataset: Any, stage: Stage, drop_last: bool) -> LoaderBatches:
         return LoaderBatches(
             dataset, self.cfg.per_gpu_batch, self.ctx.device, self.mean, self.std, self.workers,
             self.channels_last, drop_last, stage=stage,

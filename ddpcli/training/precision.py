@@ -135,25 +135,33 @@ def auto_gpu_precision(
 def training_gflop_per_step(
     arch: str, image_size: int, per_gpu_batch: int, model_args: Mapping[str, Any] | None = None
 ) -> float | None:
-    """The FLOPs of one training step on one GPU, in GFLOP: one image's forward, times
-    TRAINING_FLOPS_PER_FORWARD, times the per-GPU batch. Counted by torch's FlopCounterMode
-    on the meta device: no memory, no arithmetic (a resnet50 in a tenth of a second). None
-    for a model of the user's own code or timm's (built again on every rank, it might load
-    weights, even download them) and where the model cannot be built or run there."""
+    """The FLOPs of one training step on one GPU, in GFLOP (training_gflop_per_image times
+    the per-GPU batch). None for a model of the user's own code or timm's (built again on
+    every rank, it might load weights, even download them) and where the model cannot be
+    built or run on the meta device."""
     if is_factory_spec(arch) or timm_model_name(arch) is not None:
         return None
+    try:
+        per_image = training_gflop_per_image(arch, image_size, model_args)
+    except Exception:  # counting is advice: a model it cannot count keeps the plain rule
+        return None
+    return per_image * per_gpu_batch if per_image else None
+
+
+def training_gflop_per_image(
+    arch: str, image_size: int, model_args: Mapping[str, Any] | None = None
+) -> float:
+    """One training image's FLOPs, in GFLOP: one image's forward times
+    TRAINING_FLOPS_PER_FORWARD, counted by torch's FlopCounterMode on the meta device: no
+    memory, no arithmetic (a resnet50 in a tenth of a second). benchmarks/ take MFU from it."""
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
     from ddpcli.models.build import build_model
 
     counter = FlopCounterMode(display=False)
-    try:
-        with torch.device("meta"):
-            model = build_model(arch, FLOP_COUNT_CLASSES, model_args).eval()
-        with counter, torch.no_grad():
-            model(torch.zeros(1, 3, image_size, image_size, device="meta"))
-    except Exception:  # counting is advice: a model it cannot count keeps the plain rule
-        return None
-    forward = counter.get_total_flops()
-    return TRAINING_FLOPS_PER_FORWARD * forward * per_gpu_batch / 1e9 if forward else None
+    with torch.device("meta"):
+        model = build_model(arch, FLOP_COUNT_CLASSES, model_args).eval()
+    with counter, torch.no_grad():
+        model(torch.zeros(1, 3, image_size, image_size, device="meta"))
+    return TRAINING_FLOPS_PER_FORWARD * counter.get_total_flops() / 1e9

@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 import os
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, cast
 
@@ -28,7 +28,7 @@ import torch
 
 from ddpcli.config.data import BUFFER_BOUNDS, BUFFER_MEMORY_FRACTION
 from ddpcli.data.encoded import EncodedBatch, EncodedItem, EncodedMembers, joined
-from ddpcli.data.loader import FolderDataset, die_with_rank, tmpdir_too_long
+from ddpcli.data.loader import FolderDataset, Stage, die_with_rank, tmpdir_too_long
 from ddpcli.data.resharding import LEAST_BATCH, remaining_batch_sizes, remaining_steps
 from ddpcli.data.shards.checks import check_resumed_index
 from ddpcli.data.shards.index import split_stamp
@@ -51,10 +51,6 @@ from ddpcli.dist import DistContext, all_gather_object, all_reduce_max
 from ddpcli.errors import runtime_error
 from ddpcli.process import multiprocessing_sockets_fit
 from ddpcli.ui import byte_size
-
-# What the rank makes of its workers' batches (pixels, labels) on its device: the pixels
-# normalised (ddpcli.data.loader.Normalise), or --decode gpu's DecodeOnDevice.
-Stage = Callable[[Any, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 class MemberImages(FolderDataset):
