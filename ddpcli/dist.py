@@ -12,6 +12,7 @@ import faulthandler
 import itertools
 import os
 import signal
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, NoReturn, TypeVar
@@ -205,6 +206,8 @@ def rank_zero_prepares(
 PREPARED, PREPARATION_FAILED = "done", "failed"
 # How long a rank 0 that failed to prepare waits, at most, for the others to leave first.
 RELEASE_S = 10.0
+# How long a rank released so waits, at most, for rank 0 to leave and the agent to stop it.
+RANK_ZERO_LEAVES_S = 30.0
 
 
 def release_waiting_ranks(store: dist.Store, key: str, ctx: DistContext) -> None:
@@ -240,6 +243,9 @@ def leave_with_rank_zero(store: dist.Store, key: str, ctx: DistContext, what: st
     faulthandler.unregister(signal.SIGTERM)
     with contextlib.suppress(RuntimeError, dist.DistError):
         store.set(f"{key}/left/{ctx.rank}", "")
+    # Rank 0 leaves first. An agent that saw this rank leave first would stop rank 0 before
+    # it said why (and the job's exit status with it): its SIGTERM ends this wait.
+    time.sleep(RANK_ZERO_LEAVES_S)
     raise RuntimeError(f"{STOPPED_FOR_PEER}: rank 0 failed to {what}")
 
 

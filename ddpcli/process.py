@@ -10,6 +10,7 @@ import contextlib
 import faulthandler
 import functools
 import gc
+import io
 import json
 import os
 import signal
@@ -88,6 +89,7 @@ def end_quietly(exit_code: int) -> NoReturn:
     """Out at once, skipping atexit hooks that could wait on dead peers. The agent now stops
     the other ranks with SIGTERM, maybe this one too: no stack dump for that."""
     faulthandler.unregister(signal.SIGTERM)
+    sys.stdout.flush()
     sys.stderr.flush()
     os._exit(exit_code)
 
@@ -120,6 +122,16 @@ def leave_job_signals_to_parent() -> None:
     blocks them: ddpcli.launcher.fork_server_setup.)"""
     for signum in JOB_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
+
+
+def whole_lines() -> None:
+    """Each line said in one write. Under PYTHONUNBUFFERED (common in containers) print()
+    writes a line's text and its newline apart, and the launcher and every rank share one
+    terminal: a rank stopped between the two left its line open, and the launcher's next
+    line ran on from it."""
+    for stream in (sys.stdout, sys.stderr):
+        if isinstance(stream, io.TextIOWrapper):
+            stream.reconfigure(line_buffering=True, write_through=False)
 
 
 def die_with_parent() -> None:

@@ -286,8 +286,10 @@ def test_a_bad_image_ends_the_run_with_exit_2_or_is_skipped_and_reported(tmp_pat
 FAILING_PREPARATION = """
 import datetime, faulthandler, signal, sys, time
 import torch, torch.distributed as dist
+import ddpcli.dist
 from ddpcli.dist import DistContext, rank_zero_prepares
 from ddpcli.errors import usage_error
+ddpcli.dist.RANK_ZERO_LEAVES_S = 3.0  # no agent here to stop rank 1 once rank 0 has left
 rank, init = int(sys.argv[1]), sys.argv[2]
 faulthandler.register(signal.SIGTERM, chain=True)  # as a worker does
 dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
@@ -300,12 +302,19 @@ try:
 except Exception as error:
     stack_on_sigterm = faulthandler.unregister(signal.SIGTERM)
     print(f"{error} after {time.monotonic() - start:.1f}s", stack_on_sigterm, file=sys.stderr)
+    print(f"left at {time.time()}", file=sys.stderr)
 """
 
 
-def test_ranks_waiting_for_a_failed_preparation_leave_quietly_before_rank_0(tmp_path):
-    """Left waiting, they were stopped by the agent after rank 0's exit, and each printed
-    its stack (faulthandler) for a wait that was not stuck."""
+def left_at(stderr: str) -> float:
+    return float(stderr.strip().splitlines()[-1].removeprefix("left at "))
+
+
+def test_ranks_waiting_for_a_failed_preparation_answer_at_once_and_leave_after_rank_0(tmp_path):
+    """Rank 0 says why and its exit status is the job's: a rank that left first, seen first
+    by the agent, had rank 0 stopped before it said it. Left waiting without answering,
+    they were stopped by the agent after rank 0's exit, and each printed its stack
+    (faulthandler) for a wait that was not stuck."""
     from conftest import clean_env
     from test_faults import run_together
 
@@ -314,14 +323,15 @@ def test_ranks_waiting_for_a_failed_preparation_leave_quietly_before_rank_0(tmp_
         ([sys.executable, "-c", FAILING_PREPARATION, str(rank), init], clean_env())
         for rank in (0, 1)
     ]
-    rank0, rank1 = run_together(commands, timeout=30)
+    rank0, rank1 = run_together(commands, timeout=60)
     assert rank0.stderr.startswith("cannot decode image 3.jpg after "), rank0.stderr[-2000:]
-    left = rank1.stderr.strip().splitlines()[-1]
-    assert left.startswith(
+    said = rank1.stderr.strip().splitlines()[-2]
+    assert said.startswith(
         "stopped because another rank failed: rank 0 failed to decode the folder after "
     ), rank1.stderr[-2000:]
-    assert left.endswith(" False")  # no stack if the agent's SIGTERM comes now
+    assert said.endswith(" False")  # no stack if the agent's SIGTERM comes now
     assert float(rank0.stderr.split(" after ")[1].split("s")[0]) < 10  # rank 1 answered
+    assert left_at(rank1.stderr) - left_at(rank0.stderr) > 2.5  # rank 0 left first
 
 
 # --- Full training batches only --------------------------------------------------------------

@@ -14,12 +14,19 @@ from ddpcli.barrier.run import run_rank
 from ddpcli.config import BarrierConfig
 from ddpcli.environments import read_launcher_env
 from ddpcli.errors import USAGE, DdpcliError, said_by_rank
-from ddpcli.process import collect_then_freeze, die_with_parent, exit_with_error, recorded
+from ddpcli.process import (
+    collect_then_freeze,
+    die_with_parent,
+    exit_with_error,
+    recorded,
+    whole_lines,
+)
 
 
 @recorded
 def main(argv: list[str]) -> None:
     die_with_parent()
+    whole_lines()
     cfg = BarrierConfig.model_validate_json(Path(argv[1]).read_text())
     env = read_launcher_env()
     if env is None:

@@ -43,8 +43,9 @@ def adopt_legacy_local_rank(argv: list[str], environ: MutableMapping[str, str]) 
 
 
 def main() -> None:
-    from ddpcli.process import collect_then_freeze
+    from ddpcli.process import collect_then_freeze, whole_lines
 
+    whole_lines()
     sys.argv = adopt_legacy_local_rank(sys.argv, os.environ)
     try:
         app()

@@ -36,12 +36,14 @@ from ddpcli.process import (
     exit_with_error,
     record_for_agent,
     recorded,
+    whole_lines,
 )
 
 
 @recorded
 def main(argv: list[str]) -> None:
     die_with_parent()
+    whole_lines()
     record.arm_from_environment()
     request = json.loads(Path(argv[1]).read_text())
     cfg = EvalConfig.model_validate(request["config"])

@@ -76,7 +76,9 @@ def print_failure(error: BaseException) -> None:
     if debug_requested() or not consequence:
         print_user_traceback(error)
         return
-    print(f"rank {os.environ.get('RANK', '?')} {consequence}", file=sys.stderr)
+    # One write: the agent may stop this rank at any moment, and the script's own streams
+    # are the user's (no ddpcli.process.whole_lines here).
+    sys.stderr.write(f"rank {os.environ.get('RANK', '?')} {consequence}\n")
 
 
 def consequence_in_words(error: BaseException) -> str:

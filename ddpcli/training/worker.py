@@ -50,6 +50,7 @@ from ddpcli.process import (
     keep_freed_memory,
     record_for_agent,
     recorded,
+    whole_lines,
 )
 from ddpcli.records import AGREED_STOP_FILE, LATER_ROUND_FILE, PEER_FAILED_FILE
 from ddpcli.stacks import stack_output
@@ -165,6 +166,7 @@ def end_interrupted(stop: BaseException | None, env: LauncherEnv, cfg: RunPlan) 
 @recorded
 def main(argv: list[str]) -> None:
     die_with_parent()
+    whole_lines()
     freeze_imported_objects()
     # When the agent stops a stuck job (SIGTERM), where this rank was: in a file beside its
     # config, which the launcher's report says in a line (most often, the rank was not
