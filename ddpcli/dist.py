@@ -204,20 +204,20 @@ def rank_zero_prepares(
 
 
 PREPARED, PREPARATION_FAILED = "done", "failed"
-# How long a rank 0 that failed to prepare waits, at most, for the others to leave first.
+# How long a rank 0 that failed to prepare waits, at most, for the others to answer.
 RELEASE_S = 10.0
 # How long a rank released so waits, at most, for rank 0 to leave and the agent to stop it.
 RANK_ZERO_LEAVES_S = 30.0
 
 
 def release_waiting_ranks(store: dist.Store, key: str, ctx: DistContext) -> None:
-    """Rank 0 failed to prepare and will say why: the ranks waiting for it leave quietly
-    (`leave_with_rank_zero`) before it does. Left waiting, the agent's SIGTERM after rank 0's
-    exit made each of them print its stack, though none was stuck."""
-    left = [f"{key}/left/{rank}" for rank in range(1, ctx.world_size)]
+    """Rank 0 failed to prepare and will say why: the ranks waiting for it answer that they
+    will go quietly (`leave_with_rank_zero`) before it leaves. Left waiting, the agent's
+    SIGTERM after rank 0's exit made each of them print its stack, though none was stuck."""
+    answered = [f"{key}/answered/{rank}" for rank in range(1, ctx.world_size)]
     with contextlib.suppress(RuntimeError, dist.DistError):  # a store gone: say it anyway
         store.set(key, PREPARATION_FAILED)
-        store.wait(left, datetime.timedelta(seconds=RELEASE_S))
+        store.wait(answered, datetime.timedelta(seconds=RELEASE_S))
 
 
 def wait_for_rank_zero(
@@ -242,9 +242,9 @@ def leave_with_rank_zero(store: dist.Store, key: str, ctx: DistContext, what: st
     leaves once every waiting rank has answered, and the agent then stops them all."""
     faulthandler.unregister(signal.SIGTERM)
     with contextlib.suppress(RuntimeError, dist.DistError):
-        store.set(f"{key}/left/{ctx.rank}", "")
+        store.set(f"{key}/answered/{ctx.rank}", "")
     # Rank 0 leaves first. An agent that saw this rank leave first would stop rank 0 before
-    # it said why (and the job's exit status with it): its SIGTERM ends this wait.
+    # it said why (and the job's exit status with it). The agent's SIGTERM ends this wait.
     time.sleep(RANK_ZERO_LEAVES_S)
     raise RuntimeError(f"{STOPPED_FOR_PEER}: rank 0 failed to {what}")
 
