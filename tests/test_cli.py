@@ -85,6 +85,41 @@ def test_bad_input_exits_2_with_a_clear_line(case, tmp_path, in_process):
     assert not (tmp_path / "out").exists()  # nothing started, nothing written
 
 
+@pytest.mark.parametrize(
+    "layout, dataset",
+    [(("train/cat", "val/cat"), "imagefolder"), (("val/cat",), "imagefolder"),
+     (("stl10_binary",), "stl10"), ((), "stl10 with --download")],
+)  # fmt: skip
+def test_a_data_dir_without_dataset_trains_on_what_it_holds(layout, dataset, tmp_path):
+    """A --data-dir given without --dataset is never left unread for the synthetic default."""
+    from ddpcli.config import build_train_config
+
+    for folder in layout:
+        (tmp_path / folder).mkdir(parents=True)
+    flags = {"data_dir": str(tmp_path), "download": dataset.endswith("--download") or None}
+    assert build_train_config(flags, None, environ={}).dataset == dataset.split()[0]
+
+
+@pytest.mark.parametrize("exists", [True, False])
+def test_a_data_dir_holding_no_data_set_is_exit_2_when_no_dataset_is_named(
+    exists, tmp_path, in_process
+):
+    folder = tmp_path / "data"
+    if exists:
+        (folder / "pictures").mkdir(parents=True)
+    result = in_process("train", "--data-dir", str(folder), "--out", str(tmp_path / "out"))
+    assert result.returncode == 2, result.stderr
+    [line] = result.stderr.strip().splitlines()
+    if exists:
+        assert f"invalid --data-dir: {folder} holds no data set (shards' index.json, " in line
+        assert "name one with --dataset, or drop --data-dir to train on the synthetic set" in line
+    else:
+        assert line == f"error: invalid --data-dir: {folder} does not exist or is not a folder"
+    assert not (tmp_path / "out").exists()
+    named = in_process("train", "--dataset", "synthetic", "--data-dir", str(folder), "--dry-run")
+    assert named.returncode == 0, named.stderr  # named: the folder is not looked into
+
+
 def test_unreadable_recipe_is_exit_2(tmp_path, in_process):
     recipe = tmp_path / "bad.toml"
     recipe.write_text("epochs = [unclosed\n")

@@ -18,7 +18,15 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import LiveProcess, clean_env, free_port, read_metrics, run_cli, traced_records
+from conftest import (
+    LiveProcess,
+    clean_env,
+    free_port,
+    read_metrics,
+    run_bounded,
+    run_cli,
+    traced_records,
+)
 from netns import Host, bridged_hosts, two_hosts
 
 from ddpcli.config import TrainConfig
@@ -104,6 +112,41 @@ def test_two_hosts_train_as_one_world(hosts, tmp_path, init):
 
 def traced_samples(trace: Path, rank: int) -> set[int]:
     return {index for record in traced_records(trace, rank) for index in record["indices"]}
+
+
+@pytest.mark.netns
+def test_a_store_address_on_another_host_is_one_line_within_the_timeout(hosts, tmp_path):
+    """Left to torch, a one-node job given another host's address hangs (its agent serves
+    the store here, its workers dial there), and a host of an elastic job whose endpoint
+    is not up prints C++ stack traces; each is one line here, within --timeout."""
+    here, there = hosts
+    port = str(free_port())
+    command = [sys.executable, "-m", "ddpcli", "train", *ONE_EPOCH, "--nproc", "1",
+               "--timeout", "5", "--out", str(tmp_path / "run")]  # fmt: skip
+    alone = run_bounded(
+        here.command(*command, "--master-addr", there.address, "--master-port", port),
+        60, clean_env(), None,
+    )  # fmt: skip
+    assert alone.returncode == 2, alone.stderr
+    assert alone.stderr.strip().splitlines() == [
+        f"error: a one-node job serves its own store, but {there.address}:{port} leads to "
+        "nothing (refused), not this machine; drop that address (--master-addr or "
+        "--rdzv-endpoint) or give one of this machine's, or run a multi-node job with --nnodes"
+    ]
+    started = time.monotonic()
+    elastic = run_bounded(
+        here.command(*command, "--nnodes", "1:2", "--rdzv-endpoint", f"{there.address}:{port}"),
+        60, clean_env(), None,
+    )  # fmt: skip
+    assert elastic.returncode == 1, elastic.stderr
+    assert elastic.stderr.strip().splitlines() == [
+        f"error: could not reach the c10d rendezvous at {there.address}:{port} within 5s: "
+        "nothing listens there (refused); start the same command on the endpoint's host, "
+        f"which serves it, and check the address and that the port is open (ddpcli check-env "
+        f"--master-addr {there.address} --master-port {port})"
+    ]
+    assert time.monotonic() - started < 30
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
 @pytest.mark.netns

@@ -978,6 +978,27 @@ def holds_shard_index(data_dir: Any) -> bool:
     return (Path(data_dir) / SHARD_INDEX_NAME).is_file()
 
 
+def dataset_in(data_dir: Any, download: bool) -> str:
+    """The data set a --data-dir given without --dataset holds: shards (index.json), STL-10
+    (stl10_binary/, or to be fetched there by --download) or an image folder (train/ or
+    val/). Exit 2 where it holds none of them: the synthetic default would ignore it."""
+    if holds_shard_index(data_dir):
+        return "shards"
+    folder = Path(data_dir)
+    # stl10_binary itself: STL-10's check then says to name the folder holding it.
+    if download or folder.name == "stl10_binary" or (folder / "stl10_binary").is_dir():
+        return "stl10"
+    if (folder / "train").is_dir() or (folder / "val").is_dir():
+        return "imagefolder"
+    if not folder.is_dir():
+        raise usage_error(f"invalid --data-dir: {data_dir} does not exist or is not a folder")
+    raise usage_error(
+        f"invalid --data-dir: {data_dir} holds no data set (shards' {SHARD_INDEX_NAME}, "
+        "stl10_binary/, or train/ and val/ class folders); name one with --dataset, or drop "
+        "--data-dir to train on the synthetic set"
+    )
+
+
 def build_train_config(
     flags: dict[str, Any], recipe: Path | None, environ: Mapping[str, str] | None = None
 ) -> TrainConfig:
@@ -989,8 +1010,8 @@ def build_train_config(
     kept = without_overridden(from_recipe, from_flags)
     values = {**from_pod, **kept, **from_flags}
     refuse_resolved(RunFacts, values, from_recipe, recipe)
-    if "dataset" not in values and holds_shard_index(values.get("data_dir")):
-        values["dataset"] = "shards"
+    if "dataset" not in values and values.get("data_dir") is not None:
+        values["dataset"] = dataset_in(values["data_dir"], bool(values.get("download")))
     if env.get(TRACE_SAMPLES_VARIABLE):
         values.setdefault("trace_samples", Path(env[TRACE_SAMPLES_VARIABLE]))
     if pod := pet_variables(env):

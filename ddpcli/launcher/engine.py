@@ -43,7 +43,12 @@ from ddpcli.launcher.fork import (
     function_path_fixed,
     start_forked_worker,
 )
-from ddpcli.launcher.membership import advertised_address, c10d_settings
+from ddpcli.launcher.membership import (
+    advertised_address,
+    c10d_settings,
+    check_endpoint,
+    check_served_here,
+)
 from ddpcli.launcher.peer_failure import failed_workers_handled
 from ddpcli.launcher.restarts import restarts_announced
 from ddpcli.launcher.rollcall import (
@@ -274,6 +279,10 @@ def run_workers(job: WorkerJob, debug: bool = False) -> None:
         static_nodes = job.nnodes > 1 and job.rendezvous is None
         # Node 0 hosts it (kept alive here), and the others post their records to it.
         store = roll_call(job) if static_nodes else None
+        if job.rendezvous is not None:
+            check_endpoint(*job.rendezvous, job.timeout_s)
+        elif job.nnodes == 1 and job.master_port is not None:
+            check_served_here(job.master_addr, job.agent_port)
         scratch = stack.enter_context(tempfile.TemporaryDirectory(prefix="ddpcli-agent-"))
         stacks = stacks_folder(job, Path(scratch))
         job = with_flight_recorder(job, Path(scratch))
@@ -456,6 +465,12 @@ def never_formed(job: WorkerJob, error: Exception) -> DdpcliError | None:
             f"the job never formed: {name} after {job.timeout_s:g}s waiting for "
             f"{job.nnodes} node(s) at {job.master_addr}:{job.master_port}; start the same "
             "command on every node (only --node-rank differs) or raise --timeout"
+        )
+    if name in ("DistNetworkError", "DistStoreError") and job.rendezvous is not None:
+        host, port = job.rendezvous
+        return runtime_error(
+            f"lost the c10d rendezvous at {host}:{port} while the hosts were forming the job "
+            f"({first_line(error)}); the endpoint's host most likely stopped: see its output"
         )
     if name in ("DistNetworkError", "DistStoreError") and job.nnodes > 1:
         # Node 0's agent hosts the store: it stopped (a node missing at its roll call,

@@ -13,8 +13,8 @@ Dataset = Annotated[
     str | None,
     train_option(
         "dataset",
-        "Images to train on (stl10, imagefolder, shards: --data-dir; shards when it holds an "
-        "index.json), or your own: a factory "
+        "Images to train on (stl10, imagefolder, shards: --data-dir; without --dataset, "
+        "the set --data-dir holds), or your own: a factory "
         "called with data_dir= and image_size=, returning (train, val, class_names) "
         "(docs/custom.md).",
         PANEL,
