@@ -376,6 +376,49 @@ def test_a_recipe_setting_that_would_be_ignored_or_ambiguous_is_exit_2(tmp_path,
     assert refused.value.message.startswith("invalid --recipe:") and words in refused.value.message
 
 
+@pytest.mark.parametrize(
+    ("flags", "words"),
+    [
+        (["--download"], "invalid --download: it fetches STL-10, and --dataset synthetic is "
+                         "read as it is; drop --download"),
+        (["--skip-bad-images"], "invalid --skip-bad-images: it leaves out image files that "
+                                "cannot be decoded, and --dataset synthetic has none"),
+        (["--ema-decay", "0.9"], "invalid --ema-decay: it tunes --ema's average of the "
+                                 "weights, which is off; add --ema, or drop --ema-decay"),
+        (["--ema-steps", "4"], "invalid --ema-steps: it tunes --ema's average"),
+        (["--dataset", "stl10", "--data-dir", "DIR", "--synthetic-size", "64"],
+         "invalid --synthetic-size: it sizes the synthetic set, and --dataset stl10 is read "
+         "from --data-dir; drop --synthetic-size"),
+    ],
+    ids=["download", "skip-bad-images", "ema-decay", "ema-steps", "synthetic-size"],
+)  # fmt: skip
+def test_a_setting_that_would_do_nothing_for_the_run_is_exit_2(flags, words, tmp_path, in_process):
+    flags = [str(tmp_path) if flag == "DIR" else flag for flag in flags]
+    result = in_process("train", "--cpu", *flags, "--out", str(tmp_path / "out"))
+    assert result.returncode == 2, result.stderr
+    [line] = result.stderr.strip().splitlines()
+    assert words in line
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_flag_that_switches_a_recipe_setting_off_drops_what_only_tuned_it(tmp_path):
+    """The recipe's EMA and STL-10 settings, and flags that turn them off: the flags win,
+    and the settings that only served them go with them rather than being refused."""
+    from ddpcli.config import build_train_config
+
+    recipe = tmp_path / "r.toml"
+    recipe.write_text(
+        '[train]\ndataset = "stl10"\ndownload = true\nema = true\nema_decay = 0.999\n'
+        "ema_steps = 4\n"
+    )
+    (tmp_path / "pictures" / "train" / "cat").mkdir(parents=True)
+    flags = {"ema": False, "dataset": "imagefolder",
+             "data_dir": str(tmp_path / "pictures")}  # fmt: skip
+    cfg = build_train_config(flags, recipe, environ={})
+    assert (cfg.dataset, cfg.download, cfg.ema) == ("imagefolder", False, False)
+    assert (cfg.ema_decay, cfg.ema_steps) == (0.99998, 32)  # the defaults, not the recipe's
+
+
 def test_a_binary_recipe_is_exit_2_naming_the_flag(tmp_path, in_process):
     recipe = tmp_path / "model.pt"
     recipe.write_bytes(b"PK\x03\x04\x14\x00\x00\x00\x08\x00\xff\xfe\x80\x81" * 16)

@@ -605,6 +605,7 @@ class TrainConfig(Membership, CommandConfig):
                 "--dataset streams through the loader (--data-path loader or auto)"
             )
         check_decode(self.decode, self.dataset, self.data_path)
+        check_dataset_settings(self)
         if self.strategy == "balanced-dp" and self.gpu0_batch is None:
             raise ValueError("invalid --gpu0-batch: --strategy balanced-dp needs --gpu0-batch N")
         check_grad_compression(self.grad_compression, self.strategy, self.precision)
@@ -823,6 +824,38 @@ def check_recipe_types(settings: dict[str, Any], recipe: Path | None) -> None:
         raise with_origins(error, dict.fromkeys(settings, f"recipe {recipe}")) from None
 
 
+def check_dataset_settings(cfg: TrainConfig) -> None:
+    """A setting of one data set given for another would do nothing."""
+    if cfg.download and cfg.dataset != "stl10":
+        raise ValueError(
+            f"invalid --download: it fetches STL-10, and --dataset {cfg.dataset} is read as it "
+            "is; drop --download"
+        )
+    if cfg.skip_bad_images and cfg.dataset in ("synthetic", "stl10"):
+        raise ValueError(
+            "invalid --skip-bad-images: it leaves out image files that cannot be decoded, and "
+            f"--dataset {cfg.dataset} has none; drop --skip-bad-images"
+        )
+
+
+def check_defaulted_settings(cfg: TrainConfig, given: dict[str, Any]) -> None:
+    """Settings with a default on every config (so the field cannot tell), given where they
+    would do nothing: what was given is the flags' and the recipe's word."""
+    if "synthetic_size" in given and cfg.dataset != "synthetic":
+        raise usage_error(
+            "invalid --synthetic-size: it sizes the synthetic set, and --dataset "
+            f"{cfg.dataset} is read from --data-dir; drop --synthetic-size"
+        )
+    for name in ("ema_decay", "ema_steps"):
+        flag = "--" + name.replace("_", "-")
+        if name in given and not cfg.ema:
+            raise usage_error(
+                f"invalid {flag}: it tunes --ema's average of the weights, which is off; add "
+                f"--ema, or drop {flag}"
+            )
+    check_powersgd_start_step(cfg, given)
+
+
 def check_powersgd_start_step(cfg: TrainConfig, given: dict[str, Any]) -> None:
     """--powersgd-start-step only delays PowerSGD: given for another compression it would do
     nothing, as --momentum would with AdamW. (Its default of 1000 is on every config, so
@@ -897,6 +930,11 @@ EXCLUSIONS: tuple[tuple[str, Callable[[Any], bool], str, Callable[[Any], bool]],
     ("compile", _is_true, "strategy", lambda strategy: strategy in ("dp", "balanced-dp")),
     ("compile", lambda compile: compile is False, "compile_mode", lambda mode: mode != "default"),
     ("gpu0_batch", _is_given, "strategy", lambda strategy: strategy != "balanced-dp"),
+    ("ema", lambda ema: ema is False, "ema_decay", _is_given),
+    ("ema", lambda ema: ema is False, "ema_steps", _is_given),
+    ("dataset", lambda dataset: dataset != "stl10", "download", _is_true),
+    ("dataset", lambda dataset: dataset in ("synthetic", "stl10"), "skip_bad_images", _is_true),
+    ("dataset", lambda dataset: dataset != "synthetic", "synthetic_size", _is_given),
 )
 
 
@@ -1024,7 +1062,7 @@ def build_train_config(
     check_recipe_types(from_recipe, recipe)
     try:
         cfg = validated(TrainConfig, values)
-        check_powersgd_start_step(cfg, values)
+        check_defaulted_settings(cfg, values)
         return cfg
     except DdpcliError as error:
         overridden = {**from_recipe, **from_flags}
