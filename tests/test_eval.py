@@ -150,6 +150,12 @@ def test_bad_inputs_are_exit_2_with_one_line(trained, tmp_path):
         Image.new("RGB", (16, 16)).save(other / "val" / name / "0.png")
     line = one_line_exit_2(best, "--data-dir", str(other))
     assert "zebra" in line and "classes" in line
+    run = trained["run"]  # the run's folder, passed for its checkpoint: both are named
+    line = one_line_exit_2(str(run), "--data-dir", str(data))
+    assert line == (
+        f"error: checkpoint {run} is a folder; give a checkpoint file: "
+        f"{run}/checkpoints/best.pt or {run}/checkpoints/last.pt"
+    )
     not_a_checkpoint = tmp_path / "notes.pt"
     torch.save({"notes": [1, 2, 3]}, not_a_checkpoint)
     line = one_line_exit_2(str(not_a_checkpoint), "--data-dir", str(data))

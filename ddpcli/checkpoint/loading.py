@@ -154,12 +154,22 @@ def _check_readable(path: Path) -> None:
     if not path.exists():
         raise usage_error(f"checkpoint {path} does not exist")
     if not path.is_file():
-        raise usage_error(f"checkpoint {path} is not a file")
+        raise usage_error(not_a_file(path))
     try:
         with open(path, "rb"):
             pass
     except OSError as error:
         raise usage_error(f"checkpoint {path} cannot be read: {error.strerror}") from None
+
+
+def not_a_file(path: Path) -> str:
+    """Why the folder PATH is no checkpoint, naming the checkpoints a run's --out folder (or
+    its checkpoints/) holds: the run's folder is what people pass first."""
+    folder = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    found = [str(folder / name) for name in ("best.pt", "last.pt") if (folder / name).is_file()]
+    if not found:
+        return f"checkpoint {path} is not a file"
+    return f"checkpoint {path} is a folder; give a checkpoint file: {' or '.join(found)}"
 
 
 def _is_zip(path: Path) -> bool:

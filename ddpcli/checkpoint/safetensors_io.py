@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from ddpcli.checkpoint.loading import not_a_file
 from ddpcli.errors import first_line, runtime_error, usage_error
 from ddpcli.files import _replace_recording_digest, fsync_dir
 
@@ -88,7 +89,7 @@ def read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any
     library = import_safetensors(f"reading {path}")
     if not path.is_file():
         raise usage_error(f"checkpoint {path} does not exist" if not path.exists() else
-                          f"checkpoint {path} is not a file")  # fmt: skip
+                          not_a_file(path))  # fmt: skip
     from safetensors import safe_open
 
     try:
