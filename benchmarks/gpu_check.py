@@ -23,7 +23,8 @@ bf16 peak, the GPU named as torch names it) and issue 51's target, met or not. T
 and the runs' folders (checkpoints) go to a scratch folder, removed at the end.
 
 Without a GPU it says so and exits 0 after checking that every command and flag it would
-run exists, so that a renamed flag is caught by CI rather than on the GPU machine.
+run exists, and that `ddpcli train` takes each step's settings (dry, on the CPU), so that a
+renamed flag or a new refusal is caught by CI rather than on the GPU machine.
 """
 
 from __future__ import annotations
@@ -492,6 +493,27 @@ def missing_flags(steps: list[Step]) -> list[str]:
     return problems
 
 
+def refused_settings(steps: list[Step]) -> list[str]:
+    """Each `ddpcli train` step whose settings the installed code refuses, found dry on the
+    CPU (`--gpus` as `--cpu`, `--dry-run`, in this process): a new refusal is caught here,
+    not on the GPU machine. Steps that read data an earlier step writes are left out."""
+    from typer.testing import CliRunner
+
+    from ddpcli.cli import app
+
+    problems = []
+    for step in steps:
+        if step.command[:4] != [*DDPCLI, "train"] or step.needs == JPEGS:
+            continue
+        args = step.command[3:]
+        gpus = args.index("--gpus")
+        dry = [*args[:gpus], "--cpu", *args[gpus + 2 :], "--dry-run"]
+        result = CliRunner().invoke(app, dry, env={"COLUMNS": "300"})
+        if result.exit_code != 0:
+            problems.append(f"{step.name}: refused: {last_line(result.stderr)}")
+    return problems
+
+
 def missing_gpu_tests() -> list[str]:
     """The `gpu`-marked tests must exist even where they skip: collect them."""
     collected = subprocess.run(
@@ -668,7 +690,8 @@ def main(argv: list[str] | None = None) -> int:
     scratch = (args.scratch or Path(tempfile.gettempdir()) / f"gpu-check-{os.getpid()}").resolve()
     gpus = count_gpus()
     steps = plan(out, gpus, scratch)
-    problems = missing_flags(steps) + missing_gpu_tests()
+    problems = missing_flags(steps) or refused_settings(steps)
+    problems += missing_gpu_tests()
     if problems:
         print("gpu_check: the plan uses what this checkout does not have:", file=sys.stderr)
         print("\n".join(f"  {problem}" for problem in problems), file=sys.stderr)
@@ -676,7 +699,8 @@ def main(argv: list[str] | None = None) -> int:
     if gpus == 0:
         print(
             f"gpu_check: no GPU on this machine (nvidia-smi lists none); the {len(steps)} "
-            "steps' commands and flags all exist. Nothing measured.",
+            "steps' commands and flags all exist, and `train` takes their settings. Nothing "
+            "measured.",
             file=sys.stderr,
         )
         return 0

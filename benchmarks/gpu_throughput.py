@@ -159,13 +159,15 @@ def contender_command(contender: Contender, setup: Setup, scratch: Path, nproc: 
             if setup.cpu
             else ["--gpus", ",".join(str(gpu) for gpu in range(nproc))]
         )
+        # The device path has no loader: --workers there is refused.
+        on_device = "device" in contender.ddpcli_args
+        workers = [] if on_device else ["--workers", str(setup.workers)]
         return [
             sys.executable, "-m", "ddpcli", "train", *devices,
             "--arch", arch, "--image-size", str(image_size),
             "--per-gpu-batch", str(batch), "--precision", setup.precision,
             "--epochs", "1", "--max-steps", str(setup.total_steps),
-            "--workers", str(setup.workers), "--out", str(scratch / "out"),
-            *contender.ddpcli_args,
+            *workers, "--out", str(scratch / "out"), *contender.ddpcli_args,
         ]  # fmt: skip
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     return [

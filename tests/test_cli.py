@@ -389,8 +389,11 @@ def test_a_recipe_setting_that_would_be_ignored_or_ambiguous_is_exit_2(tmp_path,
         (["--dataset", "stl10", "--data-dir", "DIR", "--synthetic-size", "64"],
          "invalid --synthetic-size: it sizes the synthetic set, and --dataset stl10 is read "
          "from --data-dir; drop --synthetic-size"),
+        (["--data-path", "device", "--workers", "4"],
+         "invalid --workers: --data-path device holds the set in device memory and augments "
+         "it there, with no loader; drop --workers, or use --data-path loader"),
     ],
-    ids=["download", "skip-bad-images", "ema-decay", "ema-steps", "synthetic-size"],
+    ids=["download", "skip-bad-images", "ema-decay", "ema-steps", "synthetic-size", "workers"],
 )  # fmt: skip
 def test_a_setting_that_would_do_nothing_for_the_run_is_exit_2(flags, words, tmp_path, in_process):
     flags = [str(tmp_path) if flag == "DIR" else flag for flag in flags]

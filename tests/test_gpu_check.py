@@ -222,3 +222,12 @@ def test_peers_and_the_jpeg_step_report_from_their_own_output(check, tmp_path):
         "7,168 + 200 JPEGs, 400 x 350 px, 82 kB mean (55-102), 3 train shard(s); written in "
         "9 s, packed in 12 s"
     )
+
+
+def test_a_step_whose_settings_train_refuses_is_caught_without_a_gpu(check):
+    steps = check.plan(Path("/tmp/out"), gpus=1, scratch=Path("/tmp/scratch"))
+    assert check.refused_settings(steps) == []  # every step's settings, dry on the CPU
+    eager = next(step for step in steps if step.name == "train device bf16")
+    eager.command += ["--workers", "2"]  # the device path has no loader: refused
+    [problem] = check.refused_settings([eager])
+    assert problem.startswith("train device bf16: refused: error: invalid --workers:")

@@ -209,6 +209,20 @@ def test_compile_trains_a_tiny_model_on_the_cpu(tmp_path, monkeypatch):
     assert not any(key.startswith("_orig_mod.") for key in saved["model"])  # plain keys
 
 
+def test_the_device_path_chosen_by_auto_says_that_workers_go_unused():
+    from types import SimpleNamespace
+
+    from ddpcli.data.pipeline import DevicePath
+
+    def header_word(workers):
+        return DevicePath.path_name.fget(
+            SimpleNamespace(name="device", cfg=SimpleNamespace(workers=workers))
+        )
+
+    assert header_word(4) == "device (no loader: --workers 4 unused)"
+    assert header_word(None) == header_word(0) == "device"
+
+
 def test_loader_path_under_ddp_records_what_ran(tmp_path):
     out = tmp_path / "run"
     result = run_cli(

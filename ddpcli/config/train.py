@@ -831,6 +831,11 @@ def check_dataset_settings(cfg: TrainConfig) -> None:
             f"invalid --download: it fetches STL-10, and --dataset {cfg.dataset} is read as it "
             "is; drop --download"
         )
+    if cfg.workers and cfg.data_path == "device":
+        raise ValueError(
+            "invalid --workers: --data-path device holds the set in device memory and "
+            "augments it there, with no loader; drop --workers, or use --data-path loader"
+        )
     if cfg.skip_bad_images and cfg.dataset in ("synthetic", "stl10"):
         raise ValueError(
             "invalid --skip-bad-images: it leaves out image files that cannot be decoded, and "
@@ -935,6 +940,7 @@ EXCLUSIONS: tuple[tuple[str, Callable[[Any], bool], str, Callable[[Any], bool]],
     ("dataset", lambda dataset: dataset != "stl10", "download", _is_true),
     ("dataset", lambda dataset: dataset in ("synthetic", "stl10"), "skip_bad_images", _is_true),
     ("dataset", lambda dataset: dataset != "synthetic", "synthetic_size", _is_given),
+    ("data_path", lambda path: path == "device", "workers", bool),
 )
 
 

@@ -512,6 +512,8 @@ class DevicePath(SampledPath):
 
     @property
     def path_name(self) -> str:
+        if self.cfg.workers:  # --data-path auto chose this path: the flag is not refused
+            return f"{self.name} (no loader: --workers {self.cfg.workers} unused)"
         return self.name
 
     def batches_of(self, indices: list[int], epoch: int, sizes: list[int]) -> Any:
