@@ -26,7 +26,7 @@ from ddpcli.checkenv.probe_plan import (
 from ddpcli.checkenv.probe_ranks import LocalRank
 from ddpcli.config.checkenv import CheckEnvOptions, build_check_options
 from ddpcli.errors import DdpcliError
-from ddpcli.launcher import engine, membership, rollcall
+from ddpcli.launcher import engine, rollcall, store_address
 from ddpcli.launcher.rollcall import MasterUnreachable, NodeZeroGaveUp, RollCall
 
 LOCAL_MASTER = Master("127.0.0.1", 29500, "127.0.0.1", True, "lo")
@@ -735,7 +735,7 @@ def test_a_node_of_train_names_a_non_pytorch_service_on_the_master_port():
 
 def test_a_one_node_job_given_a_taken_port_is_exit_2_saying_by_what():
     with OtherService() as service, pytest.raises(DdpcliError) as failed:
-        membership.check_served_here("127.0.0.1", service.port)
+        store_address.check_served_here("127.0.0.1", service.port)
     assert failed.value.exit_code == 2
     assert str(failed.value) == (
         f"cannot serve the job's store on 127.0.0.1:{service.port}: the port is in use on this "
@@ -750,7 +750,7 @@ def test_a_one_node_jobs_free_port_is_left_free_for_its_store():
     with socket.socket() as probe_socket:
         probe_socket.bind(("127.0.0.1", 0))
         port = probe_socket.getsockname()[1]
-    membership.check_served_here("127.0.0.1", port)  # listens, is reached, lets go
+    store_address.check_served_here("127.0.0.1", port)  # listens, is reached, lets go
     store = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
     store.set("bound", "at once")
 
@@ -759,17 +759,17 @@ def test_a_c10d_endpoint_is_checked_before_torch_meets_it():
     from torch.distributed import TCPStore
 
     with OtherService() as service, pytest.raises(DdpcliError) as failed:
-        membership.check_endpoint("127.0.0.1", service.port, timeout_s=5.0)
+        store_address.check_endpoint("127.0.0.1", service.port, timeout_s=5.0)
     assert failed.value.exit_code == 1
     assert f"a non-PyTorch service answers at 127.0.0.1:{service.port}, not the c10d " \
         "rendezvous (it answered 'HTTP/1.0 400 Bad Request'" in str(failed.value)  # fmt: skip
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, multi_tenant=True)
-    membership.check_endpoint("127.0.0.1", store.port, timeout_s=5.0)  # a store: joined
+    store_address.check_endpoint("127.0.0.1", store.port, timeout_s=5.0)  # a store: joined
     store.set("still", "works")
     with socket.socket() as probe_socket:
         probe_socket.bind(("127.0.0.1", 0))
         free = probe_socket.getsockname()[1]
-    membership.check_endpoint("127.0.0.1", free, timeout_s=5.0)  # nothing yet: served here
+    store_address.check_endpoint("127.0.0.1", free, timeout_s=5.0)  # nothing yet: served here
 
 
 def test_join_nodes_when_every_node_came():

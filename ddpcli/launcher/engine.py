@@ -43,12 +43,7 @@ from ddpcli.launcher.fork import (
     function_path_fixed,
     start_forked_worker,
 )
-from ddpcli.launcher.membership import (
-    advertised_address,
-    c10d_settings,
-    check_endpoint,
-    check_served_here,
-)
+from ddpcli.launcher.membership import advertised_address, c10d_settings
 from ddpcli.launcher.peer_failure import failed_workers_handled
 from ddpcli.launcher.restarts import restarts_announced
 from ddpcli.launcher.rollcall import (
@@ -60,6 +55,7 @@ from ddpcli.launcher.rollcall import (
     disagreements,
     open_store,
 )
+from ddpcli.launcher.store_address import check_endpoint, check_served_here
 from ddpcli.machine import cpu_count
 from ddpcli.process import PARENT_PID_VARIABLE
 from ddpcli.stacks import STACKS_FOLDER_VARIABLE
