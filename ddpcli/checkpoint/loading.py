@@ -151,15 +151,20 @@ def device_load_error(path: Path, map_location: Any, error: BaseException) -> Dd
 
 
 def _check_readable(path: Path) -> None:
-    if not path.exists():
-        raise usage_error(f"checkpoint {path} does not exist")
-    if not path.is_file():
-        raise usage_error(not_a_file(path))
+    check_is_file(path)
     try:
         with open(path, "rb"):
             pass
     except OSError as error:
         raise usage_error(f"checkpoint {path} cannot be read: {error.strerror}") from None
+
+
+def check_is_file(path: Path) -> None:
+    """Exit 2 where the checkpoint PATH is missing or a folder (naming what it holds)."""
+    if not path.exists():
+        raise usage_error(f"checkpoint {path} does not exist")
+    if not path.is_file():
+        raise usage_error(not_a_file(path))
 
 
 def not_a_file(path: Path) -> str:

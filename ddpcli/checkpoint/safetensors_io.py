@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ddpcli.checkpoint.loading import not_a_file
+from ddpcli.checkpoint.loading import check_is_file
 from ddpcli.errors import first_line, runtime_error, usage_error
 from ddpcli.files import _replace_recording_digest, fsync_dir
 
@@ -87,9 +87,7 @@ def read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any
     ddpcli_version, ... as far as the file records them. Bad files are exit 2."""
     path = Path(path)
     library = import_safetensors(f"reading {path}")
-    if not path.is_file():
-        raise usage_error(f"checkpoint {path} does not exist" if not path.exists() else
-                          not_a_file(path))  # fmt: skip
+    check_is_file(path)
     from safetensors import safe_open
 
     try:
