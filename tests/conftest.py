@@ -21,6 +21,20 @@ import zygote
 
 REPO = Path(__file__).resolve().parents[1]
 
+
+def torch_at_least(major: int, minor: int) -> bool:
+    """The installed torch is MAJOR.MINOR or newer (read without importing it)."""
+    from importlib.metadata import version
+
+    return tuple(int(part) for part in version("torch").split(".")[:2]) >= (major, minor)
+
+
+# torch's own analyzer (fr_trace) reads Gloo's flight records from torch 2.12 on: 2.11's takes
+# NCCL's only (ddpcli's verdict reads both: ddpcli.collectives.verdict.in_nccls_words).
+ANALYZER_READS_GLOO = pytest.mark.skipif(
+    not torch_at_least(2, 12), reason="torch's fr_trace reads Gloo records from torch 2.12"
+)
+
 # Threads that wait for work sleep instead of spinning. The tests run three at a time on a
 # machine of two cores, each with ranks of its own: a spinning OpenMP thread then burns a
 # core another test's rank needs (docs/performance.md, "The test suite's time"). Set before

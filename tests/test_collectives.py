@@ -17,7 +17,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import REPO, clean_env, run_cli
+from conftest import ANALYZER_READS_GLOO, REPO, clean_env, run_cli
 
 FAULTS = REPO / "tests" / "fixtures" / "faults" / "faulty.py"
 RUN = [
@@ -69,6 +69,7 @@ def size_run(tmp_path_factory):
     return failed_run(tmp_path_factory.mktemp("size"), "size", "--timeout", "10")
 
 
+@ANALYZER_READS_GLOO
 def test_the_kept_records_open_in_torchs_analyzer(size_run):
     from torch.distributed.flight_recorder import fr_trace
 
@@ -226,6 +227,34 @@ def test_a_node_that_cannot_send_its_records_to_node_0_says_so(tmp_path):
     assert said.exit_code == 1 and said.message.startswith("rank 1 on vm failed first\n")
     assert "node 1: could not send its ranks' flight records to node 0" in said.message
     assert str(tmp_path) in said.message
+
+
+def test_records_the_analyzer_cannot_read_cost_the_verdict_not_the_report(tmp_path):
+    """torch's analyzer refuses what it has no name for (torch 2.11's took no Gloo record at
+    all): the failure is then reported as it was, with a line on the records, never the
+    analyzer's AssertionError in its place."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from ddpcli.errors import DdpcliError
+    from ddpcli.launcher.engine import WorkerJob, with_verdict
+
+    records = tmp_path / "records"
+    records.mkdir()
+    for rank in range(3):
+        dump = pickle.loads(
+            (REPO / "tests/fixtures/collectives/extra_collective" / f"rank_{rank}").read_bytes()
+        )
+        for entry in dump["entries"]:
+            entry["profiling_name"] = "gloo:frobnicate"
+        (records / f"rank_{rank}").write_bytes(pickle.dumps(dump))
+    kept = tmp_path / "run" / "collectives"
+    job = WorkerJob(module="m", args=[], nproc_per_node=3, records_kept_in=kept)
+    killed = ProcessFailure(1, 1001, -9, str(tmp_path / "no-error-file.json"))
+    described = DdpcliError("rank 1 on vm failed first: killed by SIGKILL", 1)
+    said = with_verdict(described, job, ChildFailedError("worker", {1: killed}), records, None)
+    assert said.exit_code == 1
+    assert said.message.startswith(described.message + "\n  no verdict on the ranks' collectives")
+    assert str(kept) in said.message and "frobnicate is not a supported operation" in said.message
 
 
 @pytest.mark.netns

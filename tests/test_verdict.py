@@ -9,9 +9,10 @@ import pickle
 from pathlib import Path
 
 import pytest
+from conftest import ANALYZER_READS_GLOO
 
 from ddpcli.collectives.record import repaired_dump
-from ddpcli.collectives.verdict import RankRecord, decide
+from ddpcli.collectives.verdict import RankRecord, decide, in_nccls_words
 
 FIXTURES = Path(__file__).parent / "fixtures" / "collectives"
 SCRIPT = FIXTURES / "make_records.py"
@@ -114,6 +115,21 @@ def test_gloo_pg_config_is_keyed_by_the_entries_group():
     }
 
 
+def test_gloo_records_are_matched_in_nccls_words():
+    """torch 2.11's Op takes only NCCL's (and XCCL's) names; the fixtures are Gloo's, so the
+    tests above exercise the renaming on any torch, and this pins what it renames."""
+    named = {name: in_nccls_words({"profiling_name": name})["profiling_name"] for name in (
+        "gloo:barrier", "gloo:all_reduce", "nccl:all_reduce", "nccl:all_reduce_barrier",
+    )}  # fmt: skip
+    assert named == {
+        "gloo:barrier": "nccl:all_reduce_barrier",
+        "gloo:all_reduce": "nccl:all_reduce",
+        "nccl:all_reduce": "nccl:all_reduce",
+        "nccl:all_reduce_barrier": "nccl:all_reduce_barrier",
+    }
+
+
+@ANALYZER_READS_GLOO
 @pytest.mark.parametrize("scenario", ["extra_collective", "size_mismatch", "died"])
 def test_the_dumps_open_in_torchs_analyzer(scenario):
     from torch.distributed.flight_recorder.fr_trace import main

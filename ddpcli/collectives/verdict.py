@@ -357,8 +357,20 @@ def agrees(entries: list[dict], memberships: dict[str, set[int]], name: str) -> 
         MatchState.UNDECIDED,
         MatchState.COLLECTIVE_STATE_MISMATCH,
     )
-    first = Op(entries[0], memberships, name)
-    return all(first.match(Op(entry, memberships, name)).state in agreeing for entry in entries[1:])
+    first, *others = (Op(in_nccls_words(entry), memberships, name) for entry in entries)
+    return all(first.match(other).state in agreeing for other in others)
+
+
+def in_nccls_words(entry: dict) -> dict:
+    """ENTRY's profiling name as NCCL's records spell it (`gloo:barrier` as
+    `nccl:all_reduce_barrier`): torch 2.11's Op accepts only the nccl and xccl backends and no
+    plain barrier, so a Gloo record stopped the verdict there. Op matches on the name after
+    the backend, so both sides renamed alike match as before."""
+    backend, _, op = entry["profiling_name"].partition(":")
+    if backend == "nccl" or not op:
+        return entry
+    op = "all_reduce_barrier" if op == "barrier" else op
+    return {**entry, "profiling_name": f"nccl:{op}"}
 
 
 def parting(group: dict[int, Track], ranks: set[int], name: str) -> int | None:

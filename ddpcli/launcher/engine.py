@@ -401,7 +401,14 @@ def with_verdict(
         return described
     world_size = job.nproc_per_node * job.nnodes
     endings = {rank: ending_in_words(ended) for rank, ended in failure.failures.items()}
-    verdict = judged(kept, world_size, endings, stacks, other_nodes=job.nnodes > 1, store=store)
+    try:
+        verdict = judged(kept, world_size, endings, stacks, other_nodes=job.nnodes > 1, store=store)
+    except Exception as error:  # torch's analyzer, on records it cannot read: the failure stays
+        return DdpcliError(
+            f"{described.message}\n  no verdict on the ranks' collectives: their records in "
+            f"{kept} could not be read ({type(error).__name__}: {first_line(error)})",
+            described.exit_code,
+        )
     if isinstance(verdict, list):
         unseen = ", ".join(map(str, verdict))
         return DdpcliError(
