@@ -128,11 +128,31 @@ def rendezvous_args(env: LauncherEnv, init_method: str | None, timeout_s: float)
     ranks read them and fail to connect. Each attempt then gets its own key prefix."""
     if init_method is None and env.agent_store:
         return {"store": attempt_store(env, timeout_s)}
+    if init_method and init_method.startswith("tcp://") and env.agent_store:
+        return {"store": tcp_store(init_method, env, timeout_s)}
     if init_method and init_method.startswith("file://") and env.restart_count > 0:
         store = dist.FileStore(init_method.removeprefix("file://"), env.world_size)
         store.set_timeout(datetime.timedelta(seconds=timeout_s))
         return {"store": dist.PrefixStore(f"ddpcli/attempt-{env.restart_count}", store)}
     return {"init_method": init_method or "env://"}
+
+
+def tcp_store(init_method: str, env: LauncherEnv, timeout_s: float) -> dist.Store:
+    """--init-method tcp://HOST:PORT under the elastic agent: rank 0 serves the store there
+    and the others dial it, as torch 2.14 has it. torch 2.11 read the agent's
+    TORCHELASTIC_USE_AGENT_STORE as true of any address, so every rank dialled a store that
+    nobody served, until the timeout. The agent's own address is the agent's store."""
+    host, _, port = init_method.removeprefix("tcp://").rpartition(":")
+    if host == env.master_addr and int(port) == env.master_port:
+        return attempt_store(env, timeout_s)
+    return dist.TCPStore(
+        host,
+        int(port),
+        world_size=env.world_size,
+        is_master=env.rank == 0,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        multi_tenant=True,
+    )
 
 
 def attempt_store(env: LauncherEnv, timeout_s: float) -> dist.Store:

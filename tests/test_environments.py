@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -224,3 +225,30 @@ def test_a_task_given_one_real_gpu_uses_it_at_any_local_rank():
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.split() == ["cuda:0", "0"]
+
+
+def test_a_tcp_init_method_under_the_agent_is_served_by_rank_0():
+    """Under an elastic agent (TORCHELASTIC_USE_AGENT_STORE), --init-method tcp://HOST:PORT
+    names rank 0's own store, not the agent's: rank 0 serves it, as torch 2.14 has it (torch
+    2.11 made every rank a client of a store nobody served; seen on two hosts)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from ddpcli.dist import rendezvous_args
+    from ddpcli.environments.world import LauncherEnv
+
+    port = free_port()
+    agent = {"master_addr": "127.0.0.1", "master_port": free_port(), "agent_store": True}
+    env = LauncherEnv(rank=0, local_rank=0, world_size=2, local_world_size=1, **agent)
+    served: dict = {}  # rank 0's store waits for the world's other rank to dial it
+    serving = threading.Thread(
+        target=lambda: served.update(rendezvous_args(env, f"tcp://127.0.0.1:{port}", 10))
+    )
+    serving.start()
+    client = dist.TCPStore(
+        "127.0.0.1", port, world_size=2, is_master=False, timeout=datetime.timedelta(seconds=10)
+    )
+    serving.join(timeout=15)
+    client.set("from-rank-1", "here")
+    assert served["store"].get("from-rank-1") == b"here"
