@@ -218,7 +218,8 @@ def launch_config(job: WorkerJob, scratch: str) -> LaunchConfig:
             tee=Std.from_str(job.tee) if job.tee else tee,
             local_ranks_filter=shown,
         )
-        prefix = "[${hostname} rank ${rank}] "
+        # The host filled in here: torch fills its own ${hostname} only from torch 2.14.
+        prefix = f"[{socket.gethostname()} rank ${{rank}}] "
     else:
         # Left to itself the agent makes a torchelastic_* folder in the system's temporary
         # directory for every run, and never removes it.
