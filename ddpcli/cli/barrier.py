@@ -117,7 +117,7 @@ def bench_barrier(
     ] = None,
     json_output: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
 ) -> None:
-    """Watch barrier() line ranks up; time barriers and collectives.
+    """Watch barrier() line ranks up; time barriers, collectives.
 
     The staggered or zero-first demo shows each rank's arrival and departure; --skip-rank
     shows a skipped barrier hang; then p50/p90/p99 latency, and nccl-tests bandwidth for

@@ -232,7 +232,7 @@ def launch(
         ),
     ] = None,
 ) -> None:
-    """Run a training script on several processes, as torchrun does.
+    """Run a training script on N processes, as torchrun does.
 
     Each worker gets torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
     MASTER_ADDR, MASTER_PORT). On failure it names the first rank that failed, how, and its
