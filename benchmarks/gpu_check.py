@@ -574,9 +574,13 @@ def machine_line() -> str:
         capture_output=True,
         text=True,
     )
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
-    ).stdout.strip()
+    # COMMIT: what the caller says it is, where the checkout travelled without its .git.
+    commit = (
+        os.environ.get("COMMIT")
+        or subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+        ).stdout.strip()
+    )
     return (
         f"{count_gpus()} x {gpus}; {os.cpu_count()} CPU cores; torch "
         f"{versions.stdout.strip()}; commit {commit or '?'}"

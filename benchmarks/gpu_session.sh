@@ -3,8 +3,10 @@
 # (benchmarks/gpu_check.sh) within BUDGET seconds, and what comes back put under $OUT.
 #
 # Here first:   bash benchmarks/device_wheels.sh
-# Then one call of the device tool, from the checkout's root:
-#   run(command="bash benchmarks/gpu_session.sh", carry=[".whl"], timeout_s=600)
+# Then one call of the device tool, from the checkout's root, naming the commit (the copy
+# that travels may have no .git):
+#   run(command="COMMIT=$(git rev-parse --short HEAD here) bash benchmarks/gpu_session.sh",
+#       carry=[".whl"], timeout_s=600)
 #
 # $OUT receives (within the tool's 8 files): summary.md (the tables for docs/performance.md),
 # gpu_check.log (the check's own lines), machine.txt (nvidia-smi, torch, the commit) and
@@ -26,7 +28,7 @@ export PYTHONPATH="$site:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHON="$python" PYTHO
 {
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
     "$python" -c "import torch, torchvision, pydantic, typer; print('torch', torch.__version__, 'torchvision', torchvision.__version__, 'pydantic', pydantic.VERSION, 'typer', typer.__version__)"
-    echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo '?'), $(nproc) CPU cores"
+    echo "commit ${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo '?')}, $(nproc) CPU cores"
 } > "$out/machine.txt" 2>&1
 # ddpcli must import before the clock starts: a missing package fails here in seconds.
 "$python" -m ddpcli --help >/dev/null || { cat "$out/machine.txt" >&2; echo "gpu_session: ddpcli does not import" >&2; exit 1; }
