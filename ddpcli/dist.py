@@ -23,7 +23,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ddpcli import ui
 from ddpcli.environments import LauncherEnv
-from ddpcli.environments.world import DEFAULT_MASTER_PORT
+from ddpcli.environments.world import DEFAULT_MASTER_PORT, tcp_address
 from ddpcli.errors import STOPPED_FOR_PEER, first_line, runtime_error, usage_error
 
 
@@ -142,12 +142,12 @@ def tcp_store(init_method: str, env: LauncherEnv, timeout_s: float) -> dist.Stor
     and the others dial it, as torch 2.14 has it. torch 2.11 read the agent's
     TORCHELASTIC_USE_AGENT_STORE as true of any address, so every rank dialled a store that
     nobody served, until the timeout. The agent's own address is the agent's store."""
-    host, _, port = init_method.removeprefix("tcp://").rpartition(":")
-    if host == env.master_addr and int(port) == env.master_port:
+    host, port = tcp_address(init_method)
+    if host == env.master_addr and port == env.master_port:
         return attempt_store(env, timeout_s)
     return dist.TCPStore(
         host,
-        int(port),
+        port,
         world_size=env.world_size,
         is_master=env.rank == 0,
         timeout=datetime.timedelta(seconds=timeout_s),

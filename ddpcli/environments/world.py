@@ -11,6 +11,14 @@ from ddpcli.errors import usage_error
 
 # torchrun's default master port: where a job meets unless told otherwise.
 DEFAULT_MASTER_PORT = 29500
+
+
+def tcp_address(init_method: str) -> tuple[str, int]:
+    """tcp://HOST:PORT (TrainConfig has checked its form) as (HOST, PORT)."""
+    host, _, port = init_method.removeprefix("tcp://").rpartition(":")
+    return host, int(port)
+
+
 # Launchers that start their workers only once the world has formed (torchrun's agent, ours):
 # the others' workers are what waits for the whole world to come.
 FORMED_BY_AN_AGENT = ("elastic",)

@@ -19,7 +19,7 @@ from ddpcli.config.plan import RunPlan
 from ddpcli.config.train import JPEG_DATASETS, global_batch_of, scaled_lr
 from ddpcli.data.layout import STL10_SIDE, check_data_source, resize_side, training_augment
 from ddpcli.environments import LauncherEnv, check_meeting_place, left_aside
-from ddpcli.environments.world import DEFAULT_MASTER_PORT
+from ddpcli.environments.world import DEFAULT_MASTER_PORT, tcp_address
 from ddpcli.errors import DdpcliError, usage_error
 from ddpcli.files import folder_write_problem
 from ddpcli.machine import (
@@ -402,8 +402,7 @@ def resolve_agent_address(values: dict[str, Any]) -> None:
         if values["nnodes"] > 1 and values["master_port"] is None:
             values["master_port"] = DEFAULT_MASTER_PORT
         return
-    host, port_text = method.removeprefix("tcp://").rsplit(":", 1)
-    port = int(port_text)
+    host, port = tcp_address(method)
     if values["nnodes"] > 1:
         if values["master_addr"] == "127.0.0.1":
             values["master_addr"] = host
