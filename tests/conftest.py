@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections import Counter
@@ -40,6 +41,22 @@ ANALYZER_READS_GLOO = pytest.mark.skipif(
 # core another test's rank needs (docs/performance.md, "The test suite's time"). Set before
 # torch is imported here, and inherited by every command a test runs.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+def bytecode_kept(folder: Path) -> None:
+    """Python's compiled modules kept in FOLDER, for this process and every one the tests
+    start, whatever PYTHONDONTWRITEBYTECODE says. Where it is set (and pip installed with
+    --no-compile, as the README does), every new interpreter compiled the Python of torch
+    and ddpcli again: `import torch, torch._dynamo` took 5.5 CPU-seconds instead of 2.0, in
+    each of the suite's hundreds of processes. The folder is outside the checkout and the
+    venv, and the .pyc files in it are checked against their sources as always."""
+    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+    os.environ.setdefault("PYTHONPYCACHEPREFIX", str(folder))
+    sys.dont_write_bytecode = False
+    sys.pycache_prefix = os.environ["PYTHONPYCACHEPREFIX"]
+
+
+bytecode_kept(Path(tempfile.gettempdir()) / "ddpcli-tests-pycache")
 zygote.environment.update(os.environ)  # the one its commands' libraries load in
 
 
@@ -201,6 +218,18 @@ def run_bounded(command: list[str], timeout: float, env: dict | None = None, cwd
     return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
 
 
+def popen(command: list[str], env: dict[str, str], cwd=REPO):
+    """COMMAND started in its own session, its stdout and stderr piped as text: a
+    subprocess.Popen, or for `[ip netns exec NS] python -m ddpcli ...` a process forked from
+    the zygote (tests/zygote.py) with the same poll, wait, communicate, kill and pid."""
+    env = tagged(env, command)
+    forked = zygote.serves(command) and zygote.start(command, env, cwd)
+    return forked or subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd,
+        start_new_session=True,
+    )  # fmt: skip
+
+
 def kill_group(pid: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, signal.SIGKILL)
@@ -219,21 +248,33 @@ def answer_ctrl_c() -> None:
 
 class LiveProcess:
     """A command in its own session, its stderr read line by line as it comes, so that a
-    test can act at a chosen moment (kill a worker mid-epoch, cut a node off)."""
+    test can act at a chosen moment (kill a worker mid-epoch, cut a node off).
+    `[ip netns exec NS] python -m ddpcli ...` is forked from the zygote (tests/zygote.py)."""
 
     def __init__(self, command: list[str], env: dict[str, str] | None = None):
-        self.process = subprocess.Popen(
-            command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-            env=tagged(env or clean_env(), command), cwd=REPO, start_new_session=True,
-            preexec_fn=answer_ctrl_c if ignores_ctrl_c() else None,
-        )  # fmt: skip
+        env = tagged(env or clean_env(), command)
+        forked = zygote.serves(command) and zygote.start(
+            command, env, REPO, keep_stdout=False, ctrl_c=ignores_ctrl_c()
+        )
+        if forked:
+            self.process = forked
+            # text, as Popen's text=True reads it; _read closes it at its end
+            self.stream = open(forked.stderr_fd, errors="replace")  # noqa: SIM115
+        else:
+            self.process = subprocess.Popen(
+                command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                env=env, cwd=REPO, start_new_session=True,
+                preexec_fn=answer_ctrl_c if ignores_ctrl_c() else None,
+            )  # fmt: skip
+            self.stream = self.process.stderr
         self.lines: list[str] = []
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
 
     def _read(self) -> None:
-        for line in self.process.stderr:
-            self.lines.append(line)
+        with self.stream:
+            for line in self.stream:
+                self.lines.append(line)
 
     @property
     def stderr(self) -> str:

@@ -154,6 +154,8 @@ def run_watching_processes(*args: str, timeout: float = 90):
         env.pop(name, None)
     command = [sys.executable, "-m", "ddpcli", "bench-barrier", *args]
     started = time.monotonic()
+    # A new interpreter, not the zygote's fork: the launcher sets TORCH_CPP_LOG_LEVEL before
+    # it imports torch, which reads it then (Gloo's own log lines are the point here).
     process = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
         cwd=REPO, start_new_session=True,

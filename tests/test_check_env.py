@@ -13,7 +13,7 @@ import tempfile
 import time
 
 import pytest
-from conftest import REPO, free_port, run_cli
+from conftest import REPO, free_port, popen, run_cli
 from netns import two_hosts
 
 PROBE_TIMEOUT_S = 120
@@ -215,12 +215,9 @@ def node_command(host, node_rank: int, master, ifname: str, *extra: str) -> list
 def run_nodes(commands: list[tuple[list[str], dict]]) -> list[subprocess.CompletedProcess]:
     """Start every node at once, as a person does on a cluster; wait with a timeout."""
     started = [
-        (command, subprocess.Popen(
-            command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
-        ))
+        (command, popen(command, {**os.environ, "PYTHONUNBUFFERED": "1", **env}))
         for command, env in commands
-    ]  # fmt: skip
+    ]
     results = []
     try:
         for command, process in started:

@@ -25,6 +25,7 @@ from conftest import (
     clean_env,
     free_port,
     kill_group,
+    popen,
     read_metrics,
     run_bounded,
     run_cli,
@@ -166,13 +167,7 @@ def kill_pid(pid: int) -> None:
 def run_together(commands: list[tuple[list[str], dict]], timeout: float):
     """Start every command at once, as a launcher starts its ranks; wait with one deadline;
     kill every process group at the end, whatever happened."""
-    started = [
-        subprocess.Popen(
-            command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-            cwd=REPO, start_new_session=True,
-        )
-        for command, env in commands
-    ]  # fmt: skip
+    started = [popen(command, env) for command, env in commands]
     deadline = time.monotonic() + timeout
     results = []
     try:

@@ -143,9 +143,11 @@ def test_a_worker_killed_as_it_finishes_does_not_hang_the_launcher(
             for pid in workers.values():
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
-    assert result is not None and {r: f.exitcode for r, f in result.failures.items()} == {
-        1: -signal.SIGKILL
-    }
+    assert result is not None
+    exits = {r: f.exitcode for r, f in result.failures.items()}
+    # Rank 0 exits on the word by itself; where the context's poll finds rank 1 dead first,
+    # its own clean-up stops rank 0 (SIGTERM), which is no failure of the launcher.
+    assert exits in ({1: -signal.SIGKILL}, {0: -signal.SIGTERM, 1: -signal.SIGKILL}), exits
 
 
 LAUNCHER_BEFORE_TORCH = """
