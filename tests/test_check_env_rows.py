@@ -4,7 +4,9 @@ checked for its status and the words a user reads. No subprocess, no torch."""
 from __future__ import annotations
 
 import socket
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -315,10 +317,43 @@ def test_world_size_is_not_checked_for_gloo():
 
 
 def test_no_distributed_variable_set():
-    row, tmpdir = checks.environment_rows(node(), options())
+    row, tmpdir, bytecode = checks.environment_rows(node(), options())
     assert row.name == "distributed variables" and row.status == "ok"
     assert row.detail.startswith("none set")
-    assert tmpdir.name == "TMPDIR"
+    assert tmpdir.name == "TMPDIR" and bytecode.name == "Python bytecode"
+
+
+def test_torch_compiled_again_by_every_process_is_a_warning(tmp_path, monkeypatch):
+    """PYTHONDONTWRITEBYTECODE with torch installed without its .pyc files (pip
+    --no-compile): each process compiles torch's Python as it starts."""
+    monkeypatch.setattr(sys, "pycache_prefix", str(tmp_path / "pycache"))  # nothing in it
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)
+    row = checks.bytecode_row()
+    assert row.status == "warn" and row.detail.startswith("PYTHONDONTWRITEBYTECODE is set")
+    assert "every process of a job compiles torch's Python" in row.detail
+    assert row.fix.startswith("unset PYTHONDONTWRITEBYTECODE, or compile them once: ")
+    monkeypatch.setattr(sys, "dont_write_bytecode", False)
+    monkeypatch.setattr(checks, "writable_folder", lambda folder: False)  # root writes anywhere
+    row = checks.bytecode_row()
+    assert row.status == "warn" and "cannot be written" in row.detail, row
+    assert row.fix.startswith("export PYTHONPYCACHEPREFIX=")
+    monkeypatch.undo()
+    assert checks.writable_folder(tmp_path / "not" / "made" / "yet")  # Python makes them
+
+
+def test_kept_or_keepable_bytecode_is_ok(tmp_path, monkeypatch):
+    import importlib.util
+
+    monkeypatch.setattr(sys, "pycache_prefix", str(tmp_path / "pycache"))
+    monkeypatch.setattr(sys, "dont_write_bytecode", False)
+    row = checks.bytecode_row()
+    assert (row.status, row.detail) == ("ok", "compiled as modules are first imported, then kept")
+    compiled = Path(importlib.util.cache_from_source(importlib.util.find_spec("torch").origin))
+    compiled.parent.mkdir(parents=True)
+    compiled.write_bytes(b"")
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)  # kept already: nothing to write
+    row = checks.bytecode_row()
+    assert row.status == "ok" and "torch's compiled modules are kept" in row.detail
 
 
 def test_each_variable_is_shown():

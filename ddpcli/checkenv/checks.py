@@ -4,8 +4,11 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
 import tempfile
+from pathlib import Path
 
 from ddpcli.checkenv.facts import (
     SOCKET_IFNAME_VARIABLES,
@@ -248,13 +251,14 @@ def environment_rows(facts: NodeFacts, options: CheckEnvOptions) -> list[Row]:
                 "none set (torchrun or SLURM sets RANK, WORLD_SIZE, MASTER_ADDR... per process)",
             ),
             tmpdir_row(),
+            bytecode_row(),
         ]
     rows = [variable_row(name, value, facts.interfaces) for name, value in env.items()]
     if pet_variables(env):
         rows.append(pod_row(env))
     else:
         rows.extend(rank_consistency_rows(env))
-    return [*rows, tmpdir_row()]
+    return [*rows, tmpdir_row(), bytecode_row()]
 
 
 def tmpdir_row() -> Row:
@@ -269,6 +273,45 @@ def tmpdir_row() -> Row:
         "loader waits for good; ddpcli train exits 2) and CPU workers start slower",
         f"export TMPDIR=/tmp, or any folder of at most {ROOM_FOR_TMPDIR} bytes",
     )
+
+
+def bytecode_row() -> Row:
+    """Whether Python keeps torch's compiled modules. Where it cannot (bytecode writing off,
+    or a folder it cannot write) and pip installed torch without them (--no-compile), every
+    process of a job compiles torch's Python as it starts: 3.5 CPU-seconds more for
+    `import torch, torch._dynamo` on a 2-core VM (docs/performance.md)."""
+    spec = importlib.util.find_spec("torch")  # found, not imported
+    if spec is None or not spec.origin:
+        return ok("Python bytecode", "torch is not installed")
+    compiled = Path(importlib.util.cache_from_source(spec.origin))
+    if compiled.exists():
+        return ok("Python bytecode", f"torch's compiled modules are kept ({compiled.parent})")
+    compile_once = f"python -m compileall -q {Path(spec.origin).parent}"
+    if sys.dont_write_bytecode:
+        reason = "PYTHONDONTWRITEBYTECODE is set (or python -B)"
+        fix = f"unset PYTHONDONTWRITEBYTECODE, or compile them once: {compile_once}"
+    elif not writable_folder(compiled.parent):
+        reason = f"{compiled.parent} cannot be written"
+        fix = (
+            "export PYTHONPYCACHEPREFIX=$HOME/.cache/pycache (a folder you can write), or "
+            f"have whoever installed torch run {compile_once}"
+        )
+    else:
+        return ok("Python bytecode", "compiled as modules are first imported, then kept")
+    return warn(
+        "Python bytecode",
+        f"{reason}, and torch has no compiled modules: every process of a job compiles "
+        "torch's Python as it starts (several CPU-seconds each)",
+        fix,
+    )
+
+
+def writable_folder(folder: Path) -> bool:
+    """FOLDER, or the nearest folder above it that exists (Python makes the rest), can be
+    written."""
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    return os.access(folder, os.W_OK)
 
 
 def pod_row(env: dict[str, str]) -> Row:
