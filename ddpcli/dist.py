@@ -25,6 +25,7 @@ from ddpcli import ui
 from ddpcli.environments import LauncherEnv
 from ddpcli.environments.world import DEFAULT_MASTER_PORT, tcp_address
 from ddpcli.errors import STOPPED_FOR_PEER, first_line, runtime_error, usage_error
+from ddpcli.fork_guard import fork_only_when_quiet
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,7 @@ def init_distributed(
         # srun sets no MASTER_ADDR/PORT; the address comes from SLURM_NODELIST.
         init_method = f"tcp://{env.master_addr}:{env.master_port or DEFAULT_MASTER_PORT}"
     if env.world_size > 1 or init_method or group_of_one:
+        fork_only_when_quiet()  # the group's threads would hang a forked loader worker
         # TORCH_NCCL_ASYNC_ERROR_HANDLING stays as the launcher left it. Either way a timed-out
         # collective ends the rank: torch's default (3) ends it without ncclCommAbort, which
         # can itself hang; 1 (what torchrun's agent sets) aborts first. Nothing measured

@@ -220,9 +220,10 @@ def test_a_run_decodes_on_the_rank_and_counts_what_it_could_not(tmp_path, folder
         packed = run_cli("data", "pack", str(folder), str(data), "--shard-size", "30K")
         assert packed.returncode == 0, packed.stderr
     out = tmp_path / "run"
+    # --timeout 60: a stuck rank is named by the job, before the test's own limit ends it.
     result = run_cli(
         "train", *TINY, "--dataset", dataset, "--data-dir", str(data), "--decode", "gpu",
-        "--epochs", "2", "--out", str(out), timeout=240,
+        "--epochs", "2", "--out", str(out), "--timeout", "60", timeout=240,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     assert (
