@@ -3,12 +3,12 @@
 A forked child of Python 3.11 and older (fixed in 3.12 and in late 3.11 patch releases;
 this machine's 3.11.7 has it) takes the interpreter's thread-list lock before it resets it
 (CPython gh-112275): if another thread of the parent held it at the fork, the child hangs
-before it runs a line. The process group's own threads take
-it: a Gloo run-loop thread (an NCCL watchdog too) that frees a finished collective's work
-drops the Python tensors it held, and acquiring the GIL for that from a C++ thread creates a
-thread state under the lock, without the GIL the forking thread holds. Seen about once in
-2,000 loader workers forked right after a collective on a busy 2-core machine (the shards path
-forks its workers every epoch): one rank waited forever for its first validation batch.
+before it runs a line. The process group's own threads take it: a Gloo run-loop thread (an
+NCCL watchdog too) that frees a finished collective's work drops the Python tensors it held,
+and acquiring the GIL for that from a C++ thread creates a thread state under the lock,
+without the GIL the forking thread holds. Seen about once in 2,000 loader workers forked
+right after a collective on a busy 2-core machine (the shards path forks its workers every
+epoch): one rank waited forever for its first validation batch.
 
 Such a thread is running while it holds the lock, and a thread that sleeps waits for work
 that only this thread enqueues, so a fork is made safe by waiting, before it, until every

@@ -54,7 +54,9 @@ import hashlib, os, threading, time
 from ddpcli import fork_guard
 
 fork_guard.fork_only_when_quiet()
-data, busy_until = b"x" * (16 << 20), []
+# One digest of 64 MiB holds no GIL for longer than the thread is busy: between digests it
+# would wait for the GIL the forking thread holds, asleep, and so rightly not be waited for.
+data, busy_until = b"x" * (64 << 20), []
 def hash_for(seconds):
     busy_until.append(time.monotonic() + seconds)
     while time.monotonic() < busy_until[0]:
