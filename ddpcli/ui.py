@@ -66,7 +66,12 @@ def format_metrics(metrics: dict) -> str:
         validation = "not validated"
     else:
         validation = f"val loss {metrics['val_loss']:.4f} · val acc {100 * metrics['val_acc']:.2f}%"
-    return f"train loss {metrics['train_loss']:.4f} · {validation}{ema} · {rate_of(metrics)}"
+    fallback = ""
+    if metrics.get("decoded_on_cpu"):  # --decode gpu: what its batches did not take
+        count = metrics["decoded_on_cpu"]
+        fallback = f" · {count} image{'s' if count != 1 else ''} decoded on the CPU instead"
+    rate = rate_of(metrics)
+    return f"train loss {metrics['train_loss']:.4f} · {validation}{ema} · {rate}{fallback}"
 
 
 def rate_of(metrics: dict) -> str:

@@ -236,6 +236,11 @@ def test_a_run_decodes_on_the_rank_and_counts_what_it_could_not(tmp_path, folder
     # drops a partial batch (22 images, 20 trained), so it may leave one of them out.
     counts = [row["decoded_on_cpu"] for row in rows]
     assert counts == [2, 2] if dataset == "shards" else all(1 <= c <= 2 for c in counts), counts
+    lines = (result.stdout + result.stderr).splitlines()
+    for row in rows:  # each epoch's line says its count
+        count = row["decoded_on_cpu"]
+        (line,) = [line for line in lines if line.startswith(f"epoch {row['epoch']}/2 · train")]
+        assert line.endswith(f"{count} image{'s' if count != 1 else ''} decoded on the CPU instead")
     config = json.loads((out / "config.json").read_text())
     assert config["decode"] == "gpu"
 

@@ -28,6 +28,7 @@ there the graph modes run as default and nothing here applies.
 
 from __future__ import annotations
 
+import logging
 import weakref
 from collections.abc import Callable
 
@@ -40,10 +41,38 @@ from ddpcli.config.train import CUDA_GRAPH_MODES
 Forward = Callable[[torch.Tensor], torch.Tensor]
 
 
+# What torch logs as it compiles that tells a user of the run nothing: dynamo leaves DDP's
+# own profiler span ("DistributedDataParallel.forward") out of the graph, and inductor, on a
+# machine with nvcc but no GPU, says which CUDA_HOME it guessed. Logger -> the message's start.
+UNINFORMATIVE_COMPILE_NOTICES = {
+    "torch._dynamo.variables.ctx_manager": "Profiler record function %s will be ignored",
+    "torch.utils.cpp_extension": "No CUDA runtime is found",
+}
+
+
+class LeaveOut(logging.Filter):
+    """Drops the records whose message (before its arguments) starts with PREFIX."""
+
+    def __init__(self, prefix: str) -> None:
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.prefix)
+
+
+def quiet_compile_notices() -> None:
+    for name, prefix in UNINFORMATIVE_COMPILE_NOTICES.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, LeaveOut) and f.prefix == prefix for f in logger.filters):
+            logger.addFilter(LeaveOut(prefix))
+
+
 def compiled(model: nn.Module, cfg: RunPlan) -> Forward:
     """MODEL under torch.compile in --compile-mode, or MODEL itself without --compile."""
     if not cfg.compile:
         return model
+    quiet_compile_notices()
     return torch.compile(model, mode=cfg.compile_mode)
 
 
