@@ -463,6 +463,64 @@ def test_a_flag_overrides_the_recipe_side_of_an_exclusion(tmp_path, monkeypatch)
     assert f"--cpu from recipe {recipe}; --gpus from recipe {recipe}" in both_in_recipe.stderr
 
 
+# Settings that exclude each other: the flags of one side, the recipe's line of the other.
+FLAG_BEATS_RECIPE = [
+    ({"optimizer": "adamw"}, "momentum = 0.8"),
+    ({"momentum": 0.8}, 'optimizer = "adamw"'),  # either side may be the flag
+    ({"optimizer": "sgd"}, "betas = [0.9, 0.99]"),
+    ({"tracker": "csv"}, 'tracking_uri = "file:///tmp/mlruns"'),
+    ({"accumulate": 2}, "static_graph = true"),
+    ({"overwrite": True}, 'resume = "auto"'),
+    ({"max_steps": 5}, 'profile_steps = "10:15"'),
+    ({"compile": True}, 'strategy = "dp"'),
+    ({"strategy": "ddp"}, "gpu0_batch = 8"),
+    ({"precision": "fp16"}, 'grad_compression = "powersgd:2"'),
+    ({"per_gpu_batch": "auto"}, "sync_bn = true"),
+    ({"compile": True, "compile_mode": "reduce-overhead"}, 'per_gpu_batch = "auto"'),
+    ({"dataset": "synthetic"}, "skip_bad_images = true"),
+    ({"data_path": "device"}, "workers = 4"),
+    ({"dataset": "imagefolder", "data_dir": "/tmp"}, "shuffle_buffer = 100"),
+    ({"dataset": "imagefolder", "data_dir": "/tmp", "decode": "gpu"}, 'data_path = "device"'),
+]
+
+
+@pytest.mark.parametrize(("flags", "line"), FLAG_BEATS_RECIPE, ids=lambda x: str(x))
+def test_a_flag_beats_the_recipes_side_of_every_exclusion(tmp_path, flags, line):
+    """Each refusal of two settings is the one statement of its rule: with both sides in the
+    recipe (or both flags) it stands, naming where each came from; with a flag on one side,
+    the recipe's other side is left out and its default applies, as docs/train.md says."""
+    from ddpcli.config import build_train_config
+    from ddpcli.errors import DdpcliError
+
+    recipe = tmp_path / "r.toml"
+    field = line.split(" = ")[0]
+    recipe.write_text(f"[train]\n{line}\n")
+    cfg = build_train_config(flags, recipe, environ={})
+    assert getattr(cfg, field) == getattr(build_train_config(flags, None, environ={}), field)
+    both = [f"{name} = {json.dumps(value)}" for name, value in flags.items()]
+    recipe.write_text("\n".join(["[train]", line, *both]) + "\n")
+    with pytest.raises(DdpcliError) as refused:
+        build_train_config({}, recipe, environ={})
+    assert refused.value.exit_code == 2 and f"from recipe {recipe}" in refused.value.message
+
+
+def test_what_a_flag_leaves_out_of_the_recipe_is_said_before_the_run(tmp_path, in_process):
+    recipe = tmp_path / "r.toml"
+    recipe.write_text("[train]\nmomentum = 0.8\nema = true\nema_decay = 0.999\nepochs = 2\n")
+    result = in_process(
+        "train", "--recipe", str(recipe), "--optimizer", "adamw", "--no-ema", "--cpu",
+        "--dry-run", "--json",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.splitlines()[:2] == [
+        f"recipe {recipe}: --momentum 0.8 left out, as --optimizer adamw on the command line "
+        "excludes it",
+        f"recipe {recipe}: --ema-decay 0.999 left out, as --no-ema on the command line excludes it",
+    ]
+    settings = json.loads(result.stdout)
+    assert (settings["momentum"], settings["ema_decay"], settings["epochs"]) == (None, 0.99998, 2)
+
+
 @pytest.mark.parametrize("timeout", ["0.001", "0", "-3"])
 def test_a_timeout_below_a_second_is_exit_2(timeout):
     from ddpcli.config import build_train_config
@@ -545,9 +603,11 @@ def test_momentum_with_adamw_is_refused_as_betas_with_sgd_are(tmp_path):
         build("train", {"optimizer": "adamw", "momentum": 0.5})
     assert refused.value.exit_code == 2
     recipe = tmp_path / "r.toml"
-    recipe.write_text("[train]\nmomentum = 0.8\n")
+    recipe.write_text("[train]\nmomentum = 0.8\n")  # SGD's, and --optimizer adamw wins
+    assert build_train_config({"optimizer": "adamw"}, recipe, environ={}).momentum is None
+    recipe.write_text("[train]\nmomentum = 0.8\noptimizer = 'adamw'\n")  # wrong in itself
     with pytest.raises(DdpcliError, match=f"--momentum from recipe {recipe}"):
-        build_train_config({"optimizer": "adamw"}, recipe, environ={})
+        build_train_config({}, recipe, environ={})
     assert build("train", {"momentum": 0.5}).momentum == 0.5
     assert build("train", {}).momentum == 0.9  # SGD's default
     assert build("train", {"optimizer": "adamw"}).momentum is None  # not AdamW's setting
@@ -565,7 +625,10 @@ def test_powersgd_start_step_without_powersgd_is_refused_as_momentum_with_adamw_
     recipe = tmp_path / "r.toml"
     recipe.write_text("[train]\npowersgd_start_step = 200\n")
     with pytest.raises(DdpcliError, match=f"--powersgd-start-step from recipe {recipe}"):
-        build_train_config({"grad_compression": "fp16"}, recipe, environ={})
+        build_train_config({}, recipe, environ={})
+    recipe.write_text("[train]\npowersgd_start_step = 200\ngrad_compression = 'powersgd'\n")
+    overruled = build_train_config({"grad_compression": "fp16"}, recipe, environ={})
+    assert (overruled.grad_compression, overruled.powersgd_start_step) == ("fp16", 1000)
     given = build("train", {"powersgd_start_step": 200, "grad_compression": "powersgd:2"})
     assert given.powersgd_start_step == 200
     assert build("train", {}).powersgd_start_step == 1000  # the default is no one's word

@@ -153,12 +153,15 @@ def run_training(
 ) -> None:
     """Flags and recipe -> the request (one validated TrainConfig) -> the run's plan -> the
     launcher (or, dry, the plan shown); then rank 0 reports, or says where the run stopped."""
-    from ddpcli.config import build_train_config
-    from ddpcli.config.train import train_setting_origins
+    from ddpcli.config.train import settle_train_request
     from ddpcli.environments import read_launcher_env
 
-    request = build_train_config(flags, recipe)
+    settled = settle_train_request(flags, recipe)
+    request = settled.config
     launcher = read_launcher_env()
+    if launcher is None or launcher.rank == 0:  # torchrun's ranks: rank 0 says it
+        for line in settled.left_out_lines(recipe, flags):
+            ui.info(line)
     from ddpcli.launcher.plan import plan_run  # after the request: a typo costs no import
 
     with contextlib.ExitStack() as workers:
@@ -173,7 +176,7 @@ def run_training(
         plan = plan_run(
             request,
             launcher,
-            origins=train_setting_origins(flags, recipe),
+            origins=settled.origins,
             on_checked=None if dry_run else start_fork_server,
         )
         if dry_run:

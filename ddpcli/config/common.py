@@ -220,6 +220,29 @@ def with_origins(error: DdpcliError, origins: Mapping[str, str]) -> DdpcliError:
     return DdpcliError("\n".join(lines), error.exit_code)
 
 
+class Excluded(ValueError):
+    """The refusal of two settings that exclude each other: FIRST, the one the message is
+    about, and SECOND, the setting that makes it wrong. Raised where the rule is checked (a
+    validator, where pydantic keeps it as the problem's cause); where a flag sets one side
+    and a recipe the other, the flag wins and the recipe's side is left out
+    (ddpcli.config.train.build_train_config), so this refusal is the rule's only statement."""
+
+    def __init__(self, message: str, first: str, second: str) -> None:
+        super().__init__(message)
+        self.message, self.first, self.second = message, first, second
+
+
+def exclusion_in(error: ValidationError | Excluded) -> Excluded | None:
+    """The exclusion a refusal is, where it is one."""
+    if isinstance(error, Excluded):
+        return error
+    for problem in error.errors():
+        cause = problem.get("ctx", {}).get("error")
+        if isinstance(cause, Excluded):
+            return cause
+    return None
+
+
 Model = TypeVar("Model", bound=BaseModel)
 
 

@@ -11,7 +11,8 @@ import math
 import os
 import re
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
 
@@ -20,18 +21,21 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    ValidationError,
     field_validator,
     model_validator,
 )
 
 from ddpcli.config.common import (
     CHANGES_RESULT,
+    FLAG_SPELLINGS,
     FROM_ENVIRONMENT,
     PART_OF_ANOTHER_FLAG,
     PER_NODE,
     Backend,
     CommandConfig,
     DatasetName,
+    Excluded,
     GpuList,
     Membership,
     Precision,
@@ -39,6 +43,8 @@ from ddpcli.config.common import (
     check_membership,
     check_node_rank,
     check_strict_types,
+    describe_validation_error,
+    exclusion_in,
     from_comma_text,
     given,
     nproc_spec,
@@ -46,7 +52,6 @@ from ddpcli.config.common import (
     pod_defaults,
     refuse_resolved,
     split_nnodes,
-    validated,
     with_origins,
 )
 from ddpcli.config.data import DataLocation, is_url
@@ -576,60 +581,86 @@ class TrainConfig(Membership, CommandConfig):
         check_node_rank(self.node_rank, self.nnodes)
         check_membership(self.min_nnodes, self.nnodes, self.rdzv_backend, self.rdzv_endpoint)
         if self.cpu and self.gpus:
-            raise ValueError("invalid --cpu: --cpu and --gpus exclude each other; pick one")
+            raise Excluded(
+                "invalid --cpu: --cpu and --gpus exclude each other; pick one", "cpu", "gpus"
+            )
         if self.dataset in ("stl10", "imagefolder", "shards") and self.data_dir is None:
             raise ValueError(f"invalid --data-dir: --dataset {self.dataset} needs --data-dir DIR")
         check_shards_settings(self)
         if is_url(self.data_dir) and self.dataset in ("stl10", "imagefolder"):
-            raise ValueError(
+            raise Excluded(
                 f"invalid --data-dir: --dataset {self.dataset} reads a folder; a URL is read as "
-                "shards (pack the data with `ddpcli data pack`, upload it, --dataset shards)"
+                "shards (pack the data with `ddpcli data pack`, upload it, --dataset shards)",
+                *("data_dir", "dataset"),
             )
         if self.betas is not None and self.optimizer != "adamw":
-            raise ValueError("invalid --betas: they are AdamW's; add --optimizer adamw")
+            raise Excluded(
+                "invalid --betas: they are AdamW's; add --optimizer adamw", "betas", "optimizer"
+            )
         if self.momentum is not None and self.optimizer != "sgd":
-            raise ValueError(
+            raise Excluded(
                 "invalid --momentum: it is SGD's; AdamW's momentum is its --betas (drop "
-                "--momentum, or use --optimizer sgd)"
+                "--momentum, or use --optimizer sgd)",
+                *("momentum", "optimizer"),
             )
         if self.tracking_uri is not None and "mlflow" not in self.tracker:
-            raise ValueError(
+            raise Excluded(
                 "invalid --tracking-uri: it is MLflow's store, and no --tracker mlflow sends "
-                "to it; add mlflow to --tracker, or drop --tracking-uri"
+                "to it; add mlflow to --tracker, or drop --tracking-uri",
+                *("tracking_uri", "tracker"),
             )
         if self.reset_head and self.init_from is None:
-            raise ValueError("invalid --reset-head: it applies to the weights of --init-from PATH")
+            raise Excluded(
+                "invalid --reset-head: it applies to the weights of --init-from PATH",
+                *("reset_head", "init_from"),
+            )
         if self.custom_dataset and self.data_path == "device":
-            raise ValueError(
+            raise Excluded(
                 "invalid --data-path: device holds the built-in sets in device memory; your own "
-                "--dataset streams through the loader (--data-path loader or auto)"
+                "--dataset streams through the loader (--data-path loader or auto)",
+                *("data_path", "dataset"),
             )
         check_decode(self.decode, self.dataset, self.data_path)
         check_dataset_settings(self)
         if self.strategy == "balanced-dp" and self.gpu0_batch is None:
             raise ValueError("invalid --gpu0-batch: --strategy balanced-dp needs --gpu0-batch N")
+        if self.gpu0_batch is not None and self.strategy != "balanced-dp":
+            raise Excluded(
+                "invalid --gpu0-batch: it applies to --strategy balanced-dp only",
+                *("gpu0_batch", "strategy"),
+            )
+        if self.compile and self.strategy != "ddp":
+            raise Excluded(
+                f"invalid --compile: it works with --strategy ddp; {self.strategy} replicates "
+                "the module on every step",
+                *("compile", "strategy"),
+            )
         check_grad_compression(self.grad_compression, self.strategy, self.precision)
         if self.compile and self.bucket_cap_mb < 1:
-            raise ValueError(
+            raise Excluded(
                 "invalid --bucket-cap-mb: with --compile, torch's DDP optimizer needs buckets of "
-                "at least 1 MB (its first bucket's size); raise it or drop --compile"
+                "at least 1 MB (its first bucket's size); raise it or drop --compile",
+                *("bucket_cap_mb", "compile"),
             )
         check_compile_mode(self)
         check_batch_auto(self)
         if self.static_graph and self.accumulate > 1:
-            raise ValueError(
+            raise Excluded(
                 "invalid --static-graph: torch's DDP fails an internal assertion when a step "
-                "accumulates under no_sync (--accumulate > 1); drop one of them"
+                "accumulates under no_sync (--accumulate > 1); drop one of them",
+                *("static_graph", "accumulate"),
             )
         if self.sync_bn and self.strategy != "ddp":
-            raise ValueError(
+            raise Excluded(
                 f"invalid --sync-bn: it synchronises DDP ranks; --strategy {self.strategy} is one "
-                "process (use --strategy ddp)"
+                "process (use --strategy ddp)",
+                *("sync_bn", "strategy"),
             )
         if self.overwrite and self.resume == "auto":
-            raise ValueError(
+            raise Excluded(
                 "invalid --overwrite: it clears --out's earlier run, and --resume auto "
-                "continues it; pick one"
+                "continues it; pick one",
+                *("overwrite", "resume"),
             )
         check_profile_window(self.profile_window, self.max_steps)
         return self
@@ -706,9 +737,10 @@ def check_batch_auto(cfg: TrainConfig) -> None:
     for name, reason in refused.items():
         if reason:
             flag = name.replace("_", "-")
-            raise ValueError(
+            raise Excluded(
                 f"invalid --{flag}: not with --per-gpu-batch auto ({reason}); drop --{flag}, "
-                "or give --per-gpu-batch a number"
+                "or give --per-gpu-batch a number",
+                *(name, "per_gpu_batch"),
             )
 
 
@@ -717,14 +749,16 @@ def check_decode(decode: str, dataset: str, data_path: str) -> None:
     if decode != "gpu":
         return
     if dataset not in JPEG_DATASETS:
-        raise ValueError(
+        raise Excluded(
             f"invalid --decode: gpu decodes the JPEGs of image folders and shards as batches "
-            f"arrive; --dataset {dataset} holds none to decode (drop --decode gpu)"
+            f"arrive; --dataset {dataset} holds none to decode (drop --decode gpu)",
+            *("decode", "dataset"),
         )
     if data_path == "device":
-        raise ValueError(
+        raise Excluded(
             "invalid --decode: --data-path device decodes the image folder once, before "
-            "training; --decode gpu decodes each batch as the loader reads it; drop one"
+            "training; --decode gpu decodes each batch as the loader reads it; drop one",
+            *("decode", "data_path"),
         )
 
 
@@ -734,46 +768,50 @@ def check_compile_mode(cfg: TrainConfig) -> None:
     the CPU runs them without graphs: a recipe means the same wherever it runs."""
     mode = cfg.compile_mode
     if mode != "default" and not cfg.compile:
-        raise ValueError(
+        raise Excluded(
             f"invalid --compile-mode: {mode} is a mode of torch.compile, which is off; "
-            "add --compile"
+            "add --compile",
+            *("compile_mode", "compile"),
         )
     if not (cfg.compile and mode in CUDA_GRAPH_MODES):
         return
     refused = {
-        "--per-gpu-batch": cfg.per_gpu_batch == "auto"
+        "per_gpu_batch": cfg.per_gpu_batch == "auto"
         and (
             "auto runs micro-batches of varying sizes, each a CUDA graph of its own, and runs "
             "again a step that ran out of memory, which a capture cannot",
             "give --per-gpu-batch a number",
         ),
-        "--sync-bn": cfg.sync_bn
+        "sync_bn": cfg.sync_bn
         and (
             "SyncBatchNorm's collectives would run inside the captured forward pass",
             "drop --sync-bn",
         ),
     }
-    for flag, refusal in refused.items():
+    for name, refusal in refused.items():
         if refusal:
             reason, remedy = refusal
-            raise ValueError(
-                f"invalid {flag}: not with --compile-mode {mode}, which captures CUDA graphs "
-                f"({reason}); {remedy}, or use --compile-mode default"
+            raise Excluded(
+                f"invalid --{name.replace('_', '-')}: not with --compile-mode {mode}, which "
+                f"captures CUDA graphs ({reason}); {remedy}, or use --compile-mode default",
+                *(name, "compile_mode"),
             )
 
 
 def check_grad_compression(grad_compression: str, strategy: str, precision: str) -> None:
     """The pairings --grad-compression cannot do correctly, refused with the reason."""
     if grad_compression != "none" and strategy != "ddp":
-        raise ValueError(
+        raise Excluded(
             f"invalid --grad-compression: it compresses DDP's all-reduce; --strategy {strategy} "
-            "is one process and all-reduces nothing (use --strategy ddp)"
+            "is one process and all-reduces nothing (use --strategy ddp)",
+            *("grad_compression", "strategy"),
         )
     if powersgd_rank(grad_compression) and precision == "fp16":
-        raise ValueError(
+        raise Excluded(
             "invalid --grad-compression: PowerSGD carries each step's compression error into "
             "the next, and fp16's loss scale changes between steps (a skipped step leaves inf "
-            "there); use --precision bf16 or fp32, or --grad-compression fp16"
+            "there); use --precision bf16 or fp32, or --grad-compression fp16",
+            *("grad_compression", "precision"),
         )
 
 
@@ -781,9 +819,10 @@ def check_profile_window(window: tuple[int, int] | None, max_steps: int | None) 
     """A window that --max-steps ends before it opens is refused; one that ends after the
     run's last step is said by the run (ddpcli.training.profiling), which knows that step."""
     if window is not None and max_steps is not None and window[0] >= max_steps:
-        raise ValueError(
+        raise Excluded(
             f"invalid --profile-steps: the run stops at step {max_steps} (--max-steps), so the "
-            f"steps after step {window[0]} never run; lower A or raise --max-steps"
+            f"steps after step {window[0]} never run; lower A or raise --max-steps",
+            *("profile_steps", "max_steps"),
         )
 
 
@@ -792,20 +831,23 @@ def check_shards_settings(cfg: TrainConfig) -> None:
     each sample goes to one rank (--ra-reps shows each on several)."""
     if cfg.dataset != "shards":
         if cfg.shuffle_buffer is not None:
-            raise ValueError(
+            raise Excluded(
                 "invalid --shuffle-buffer: it shuffles the streams of --dataset shards; other "
-                "data sets are permuted whole each epoch"
+                "data sets are permuted whole each epoch",
+                *("shuffle_buffer", "dataset"),
             )
         return
     if cfg.data_path == "device":
-        raise ValueError(
+        raise Excluded(
             "invalid --data-path: shards stream through the loader's workers (--data-path "
-            "loader or auto); --data-path device holds synthetic or stl10 in device memory"
+            "loader or auto); --data-path device holds synthetic or stl10 in device memory",
+            *("data_path", "dataset"),
         )
     if cfg.ra_reps > 1:
-        raise ValueError(
+        raise Excluded(
             "invalid --ra-reps: each sample of --dataset shards is streamed to one rank; "
-            "repeated augmentation needs --dataset imagefolder"
+            "repeated augmentation needs --dataset imagefolder",
+            *("ra_reps", "dataset"),
         )
 
 
@@ -827,19 +869,22 @@ def check_recipe_types(settings: dict[str, Any], recipe: Path | None) -> None:
 def check_dataset_settings(cfg: TrainConfig) -> None:
     """A setting of one data set given for another would do nothing."""
     if cfg.download and cfg.dataset != "stl10":
-        raise ValueError(
+        raise Excluded(
             f"invalid --download: it fetches STL-10, and --dataset {cfg.dataset} is read as it "
-            "is; drop --download"
+            "is; drop --download",
+            *("download", "dataset"),
         )
     if cfg.workers and cfg.data_path == "device":
-        raise ValueError(
+        raise Excluded(
             "invalid --workers: --data-path device holds the set in device memory and "
-            "augments it there, with no loader; drop --workers, or use --data-path loader"
+            "augments it there, with no loader; drop --workers, or use --data-path loader",
+            *("workers", "data_path"),
         )
     if cfg.skip_bad_images and cfg.dataset in ("synthetic", "stl10"):
-        raise ValueError(
+        raise Excluded(
             "invalid --skip-bad-images: it leaves out image files that cannot be decoded, and "
-            f"--dataset {cfg.dataset} has none; drop --skip-bad-images"
+            f"--dataset {cfg.dataset} has none; drop --skip-bad-images",
+            *("skip_bad_images", "dataset"),
         )
 
 
@@ -847,16 +892,18 @@ def check_defaulted_settings(cfg: TrainConfig, given: dict[str, Any]) -> None:
     """Settings with a default on every config (so the field cannot tell), given where they
     would do nothing: what was given is the flags' and the recipe's word."""
     if "synthetic_size" in given and cfg.dataset != "synthetic":
-        raise usage_error(
+        raise Excluded(
             "invalid --synthetic-size: it sizes the synthetic set, and --dataset "
-            f"{cfg.dataset} is read from --data-dir; drop --synthetic-size"
+            f"{cfg.dataset} is read from --data-dir; drop --synthetic-size",
+            *("synthetic_size", "dataset"),
         )
     for name in ("ema_decay", "ema_steps"):
         flag = "--" + name.replace("_", "-")
         if name in given and not cfg.ema:
-            raise usage_error(
+            raise Excluded(
                 f"invalid {flag}: it tunes --ema's average of the weights, which is off; add "
-                f"--ema, or drop {flag}"
+                f"--ema, or drop {flag}",
+                *(name, "ema"),
             )
     check_powersgd_start_step(cfg, given)
 
@@ -866,10 +913,11 @@ def check_powersgd_start_step(cfg: TrainConfig, given: dict[str, Any]) -> None:
     nothing, as --momentum would with AdamW. (Its default of 1000 is on every config, so
     what was given is the flags' and the recipe's word, not the field.)"""
     if "powersgd_start_step" in given and powersgd_rank(cfg.grad_compression) is None:
-        raise usage_error(
+        raise Excluded(
             "invalid --powersgd-start-step: it delays PowerSGD, and --grad-compression is "
             f"{cfg.grad_compression}; add --grad-compression powersgd (or powersgd:RANK), or "
-            "drop --powersgd-start-step"
+            "drop --powersgd-start-step",
+            *("powersgd_start_step", "grad_compression"),
         )
 
 
@@ -920,64 +968,17 @@ def recipe_settings(table: dict[str, Any], path: Path) -> dict[str, Any]:
     return settings
 
 
-def _is_true(value: Any) -> bool:
-    return value is True
-
-
-def _is_given(value: Any) -> bool:
-    return value is not None
-
-
-# Settings that exclude each other, (field, "set" test) on each side. When the command line
-# sets one side and the recipe the other, the flag wins: the recipe's side is dropped.
-EXCLUSIONS: tuple[tuple[str, Callable[[Any], bool], str, Callable[[Any], bool]], ...] = (
-    ("cpu", _is_true, "gpus", _is_given),
-    ("compile", _is_true, "strategy", lambda strategy: strategy in ("dp", "balanced-dp")),
-    ("compile", lambda compile: compile is False, "compile_mode", lambda mode: mode != "default"),
-    ("gpu0_batch", _is_given, "strategy", lambda strategy: strategy != "balanced-dp"),
-    ("ema", lambda ema: ema is False, "ema_decay", _is_given),
-    ("ema", lambda ema: ema is False, "ema_steps", _is_given),
-    ("dataset", lambda dataset: dataset != "stl10", "download", _is_true),
-    ("dataset", lambda dataset: dataset in ("synthetic", "stl10"), "skip_bad_images", _is_true),
-    ("dataset", lambda dataset: dataset != "synthetic", "synthetic_size", _is_given),
-    ("data_path", lambda path: path == "device", "workers", bool),
-)
-
-
-def without_overridden(from_recipe: dict[str, Any], from_flags: dict[str, Any]) -> dict[str, Any]:
-    """The recipe's settings less those a flag excludes: a flag always overrides the recipe."""
-    kept = dict(from_recipe)
-    for first, first_set, second, second_set in EXCLUSIONS:
-        for flag, flag_set, other, other_set in (
-            (first, first_set, second, second_set),
-            (second, second_set, first, first_set),
-        ):
-            if (
-                flag in from_flags
-                and flag_set(from_flags[flag])
-                and other in kept
-                and other not in from_flags
-                and other_set(kept[other])
-            ):
-                del kept[other]
-    return kept
-
-
 def setting_origins(
-    from_recipe: dict[str, Any], from_flags: dict[str, Any], recipe: Path | None
+    kept: dict[str, Any], from_flags: dict[str, Any], recipe: Path | None
 ) -> dict[str, str]:
-    """Field name -> where the value in effect came from, in words; {} without a recipe
-    (every setting then comes from the command line)."""
+    """Field name -> where the value in effect came from, in words, the recipe's KEPT
+    settings and the flags'; {} without a recipe (every setting then comes from the command
+    line)."""
     if recipe is None:
         return {}
-    origins = {name: f"recipe {recipe}" for name in without_overridden(from_recipe, from_flags)}
+    origins = dict.fromkeys(kept, f"recipe {recipe}")
     origins.update(dict.fromkeys(from_flags, "the command line"))
     return origins
-
-
-def train_setting_origins(flags: dict[str, Any], recipe: Path | None) -> dict[str, str]:
-    """Where each given setting of `ddpcli train` came from (for errors found later)."""
-    return setting_origins(load_recipe(recipe) if recipe else {}, given(flags), recipe)
 
 
 def parse_fake_oom(text: str) -> list[tuple[int, str, int, int]]:
@@ -1043,17 +1044,102 @@ def dataset_in(data_dir: Any, download: bool) -> str:
     )
 
 
+@dataclass(frozen=True)
+class SettledRequest:
+    """`ddpcli train`'s request, where each given setting came from (for errors found
+    later), and what of the recipe a flag left out: recipe setting -> that flag's setting."""
+
+    config: TrainConfig
+    origins: dict[str, str]
+    left_out: dict[str, str]
+
+    def left_out_lines(self, recipe: Path | None, flags: dict[str, Any]) -> list[str]:
+        """One line per recipe setting left out, naming the flag that excluded it."""
+        recipe_values = load_recipe(recipe) if recipe and self.left_out else {}
+        return [
+            f"recipe {recipe}: {spelled(name, recipe_values[name])} left out, as "
+            f"{spelled(flag, flags[flag])} on the command line excludes it"
+            for name, flag in self.left_out.items()
+        ]
+
+
+def spelled(name: str, value: Any) -> str:
+    """A setting as its flag writes it: `--optimizer adamw`, `--compile`, `--no-ema`."""
+    flag = FLAG_SPELLINGS.get(name, f"--{name.replace('_', '-')}")
+    if isinstance(value, bool):
+        return flag if value else f"--no-{flag.removeprefix('--')}"
+    shown = ",".join(map(str, value)) if isinstance(value, list) else value
+    return f"{flag} {shown}"
+
+
 def build_train_config(
     flags: dict[str, Any], recipe: Path | None, environ: Mapping[str, str] | None = None
 ) -> TrainConfig:
     """Defaults < recipe < flags; flags left at None mean "not given"."""
+    return settle_train_request(flags, recipe, environ).config
+
+
+def settle_train_request(
+    flags: dict[str, Any], recipe: Path | None, environ: Mapping[str, str] | None = None
+) -> SettledRequest:
+    """The request from the defaults, RECIPE and FLAGS. A flag always wins: where the flags
+    set one side of an exclusion and the recipe the other, the recipe's side is left out
+    and the request built again (each exclusion is stated once, as its refusal)."""
     env = os.environ if environ is None else environ
     from_pod, pod_origins = pod_defaults(env, train_nproc_settings)
     from_recipe = load_recipe(recipe) if recipe else {}
     from_flags = given(flags)
-    kept = without_overridden(from_recipe, from_flags)
+    refuse_resolved(RunFacts, {**from_recipe, **from_flags}, from_recipe, recipe)
+    check_recipe_types(from_recipe, recipe)
+    kept = dict(from_recipe)
+    left_out: dict[str, str] = {}
+    while True:
+        try:
+            config = request_from(from_pod, kept, from_flags, env, recipe)
+            return SettledRequest(config, setting_origins(kept, from_flags, recipe), left_out)
+        except (ValidationError, Excluded) as error:
+            overruled = recipe_side(exclusion_in(error), kept, from_flags)
+            if overruled is None:
+                given_here = {**from_recipe, **from_flags}
+                origins = {k: v for k, v in pod_origins.items() if k not in given_here}
+                origins.update(setting_origins(kept, from_flags, recipe))
+                raise with_origins(refusal_of(error), origins) from None
+            setting, flag = overruled
+            del kept[setting]
+            left_out[setting] = flag
+
+
+def refusal_of(error: ValidationError | Excluded) -> DdpcliError:
+    """Exit 2 with the refusal's own line(s), naming the flags."""
+    if isinstance(error, Excluded):
+        return usage_error(error.message)
+    return usage_error(describe_validation_error(error))
+
+
+def recipe_side(
+    exclusion: Excluded | None, kept: dict[str, Any], from_flags: dict[str, Any]
+) -> tuple[str, str] | None:
+    """(the setting of EXCLUSION that the recipe gives, among KEPT; the flag's setting that
+    overrules it by giving the other side), or None where the refusal stands."""
+    if exclusion is None:
+        return None
+    first, second = exclusion.first, exclusion.second
+    for flagged, other in ((first, second), (second, first)):
+        if flagged in from_flags and other in kept and other not in from_flags:
+            return other, flagged
+    return None
+
+
+def request_from(
+    from_pod: dict[str, Any],
+    kept: dict[str, Any],
+    from_flags: dict[str, Any],
+    env: Mapping[str, str],
+    recipe: Path | None,
+) -> TrainConfig:
+    """The request from the pod's defaults, the recipe's KEPT settings and the flags; a
+    refusal comes as pydantic's error or an Excluded."""
     values = {**from_pod, **kept, **from_flags}
-    refuse_resolved(RunFacts, values, from_recipe, recipe)
     if "dataset" not in values and values.get("data_dir") is not None:
         values["dataset"] = dataset_in(values["data_dir"], bool(values.get("download")))
     if env.get(TRACE_SAMPLES_VARIABLE):
@@ -1065,16 +1151,9 @@ def build_train_config(
     if env.get(FAKE_OOM_VARIABLE):
         values.setdefault("fake_oom", parse_fake_oom(env[FAKE_OOM_VARIABLE]))
     tracking_defaults(values, recipe, env)
-    check_recipe_types(from_recipe, recipe)
-    try:
-        cfg = validated(TrainConfig, values)
-        check_defaulted_settings(cfg, values)
-        return cfg
-    except DdpcliError as error:
-        overridden = {**from_recipe, **from_flags}
-        origins = {name: pod for name, pod in pod_origins.items() if name not in overridden}
-        origins.update(setting_origins(from_recipe, from_flags, recipe))
-        raise with_origins(error, origins) from None
+    cfg = TrainConfig(**values)
+    check_defaulted_settings(cfg, values)
+    return cfg
 
 
 def tracking_defaults(values: dict[str, Any], recipe: Path | None, env: Mapping[str, str]) -> None:

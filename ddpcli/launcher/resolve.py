@@ -349,8 +349,6 @@ def resolve_devices(values: dict[str, Any]) -> None:
 def check_strategy(values: dict[str, Any], launcher: LauncherEnv | None) -> None:
     """dp and balanced-dp are one process driving two or more GPUs of one machine."""
     strategy = values["strategy"]
-    if values["gpu0_batch"] is not None and strategy != "balanced-dp":
-        raise usage_error("invalid --gpu0-batch: it applies to --strategy balanced-dp only")
     if strategy == "ddp":
         return
     if (launcher is not None and launcher.world_size > 1) or values["nnodes"] > 1:
@@ -364,11 +362,6 @@ def check_strategy(values: dict[str, Any], launcher: LauncherEnv | None) -> None
         raise usage_error(
             f"invalid --strategy: {strategy} is one process driving 2 or more GPUs, but this "
             f"run {have}; use --strategy ddp (the default), or list GPUs with --gpus 0,1"
-        )
-    if values["compile"]:
-        raise usage_error(
-            f"invalid --compile: it works with --strategy ddp; {strategy} replicates the "
-            "module on every step"
         )
     batch, gpu0_batch = values["per_gpu_batch"], values["gpu0_batch"]
     if strategy == "balanced-dp" and batch - gpu0_batch < gpus - 1:
