@@ -160,7 +160,7 @@ def run_training(
     request = settled.config
     launcher = read_launcher_env()
     if launcher is None or launcher.rank == 0:  # torchrun's ranks: rank 0 says it
-        for line in settled.left_out_lines(recipe, flags):
+        for line in settled.left_out:
             ui.info(line)
     from ddpcli.launcher.plan import plan_run  # after the request: a typo costs no import
 

@@ -225,11 +225,12 @@ class Excluded(ValueError):
     about, and SECOND, the setting that makes it wrong. Raised where the rule is checked (a
     validator, where pydantic keeps it as the problem's cause); where a flag sets one side
     and a recipe the other, the flag wins and the recipe's side is left out
-    (ddpcli.config.train.build_train_config), so this refusal is the rule's only statement."""
+    (ddpcli.config.train.settle_train_request), so this refusal is the rule's only
+    statement."""
 
     def __init__(self, message: str, first: str, second: str) -> None:
         super().__init__(message)
-        self.message, self.first, self.second = message, first, second
+        self.first, self.second = first, second
 
 
 def exclusion_in(error: ValidationError | Excluded) -> Excluded | None:

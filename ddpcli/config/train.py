@@ -591,7 +591,8 @@ class TrainConfig(Membership, CommandConfig):
             raise Excluded(
                 f"invalid --data-dir: --dataset {self.dataset} reads a folder; a URL is read as "
                 "shards (pack the data with `ddpcli data pack`, upload it, --dataset shards)",
-                *("data_dir", "dataset"),
+                "data_dir",
+                "dataset",
             )
         if self.betas is not None and self.optimizer != "adamw":
             raise Excluded(
@@ -601,24 +602,28 @@ class TrainConfig(Membership, CommandConfig):
             raise Excluded(
                 "invalid --momentum: it is SGD's; AdamW's momentum is its --betas (drop "
                 "--momentum, or use --optimizer sgd)",
-                *("momentum", "optimizer"),
+                "momentum",
+                "optimizer",
             )
         if self.tracking_uri is not None and "mlflow" not in self.tracker:
             raise Excluded(
                 "invalid --tracking-uri: it is MLflow's store, and no --tracker mlflow sends "
                 "to it; add mlflow to --tracker, or drop --tracking-uri",
-                *("tracking_uri", "tracker"),
+                "tracking_uri",
+                "tracker",
             )
         if self.reset_head and self.init_from is None:
             raise Excluded(
                 "invalid --reset-head: it applies to the weights of --init-from PATH",
-                *("reset_head", "init_from"),
+                "reset_head",
+                "init_from",
             )
         if self.custom_dataset and self.data_path == "device":
             raise Excluded(
                 "invalid --data-path: device holds the built-in sets in device memory; your own "
                 "--dataset streams through the loader (--data-path loader or auto)",
-                *("data_path", "dataset"),
+                "data_path",
+                "dataset",
             )
         check_decode(self.decode, self.dataset, self.data_path)
         check_dataset_settings(self)
@@ -627,20 +632,23 @@ class TrainConfig(Membership, CommandConfig):
         if self.gpu0_batch is not None and self.strategy != "balanced-dp":
             raise Excluded(
                 "invalid --gpu0-batch: it applies to --strategy balanced-dp only",
-                *("gpu0_batch", "strategy"),
+                "gpu0_batch",
+                "strategy",
             )
         if self.compile and self.strategy != "ddp":
             raise Excluded(
                 f"invalid --compile: it works with --strategy ddp; {self.strategy} replicates "
                 "the module on every step",
-                *("compile", "strategy"),
+                "compile",
+                "strategy",
             )
         check_grad_compression(self.grad_compression, self.strategy, self.precision)
         if self.compile and self.bucket_cap_mb < 1:
             raise Excluded(
                 "invalid --bucket-cap-mb: with --compile, torch's DDP optimizer needs buckets of "
                 "at least 1 MB (its first bucket's size); raise it or drop --compile",
-                *("bucket_cap_mb", "compile"),
+                "bucket_cap_mb",
+                "compile",
             )
         check_compile_mode(self)
         check_batch_auto(self)
@@ -648,19 +656,22 @@ class TrainConfig(Membership, CommandConfig):
             raise Excluded(
                 "invalid --static-graph: torch's DDP fails an internal assertion when a step "
                 "accumulates under no_sync (--accumulate > 1); drop one of them",
-                *("static_graph", "accumulate"),
+                "static_graph",
+                "accumulate",
             )
         if self.sync_bn and self.strategy != "ddp":
             raise Excluded(
                 f"invalid --sync-bn: it synchronises DDP ranks; --strategy {self.strategy} is one "
                 "process (use --strategy ddp)",
-                *("sync_bn", "strategy"),
+                "sync_bn",
+                "strategy",
             )
         if self.overwrite and self.resume == "auto":
             raise Excluded(
                 "invalid --overwrite: it clears --out's earlier run, and --resume auto "
                 "continues it; pick one",
-                *("overwrite", "resume"),
+                "overwrite",
+                "resume",
             )
         check_profile_window(self.profile_window, self.max_steps)
         return self
@@ -740,7 +751,8 @@ def check_batch_auto(cfg: TrainConfig) -> None:
             raise Excluded(
                 f"invalid --{flag}: not with --per-gpu-batch auto ({reason}); drop --{flag}, "
                 "or give --per-gpu-batch a number",
-                *(name, "per_gpu_batch"),
+                name,
+                "per_gpu_batch",
             )
 
 
@@ -752,13 +764,15 @@ def check_decode(decode: str, dataset: str, data_path: str) -> None:
         raise Excluded(
             f"invalid --decode: gpu decodes the JPEGs of image folders and shards as batches "
             f"arrive; --dataset {dataset} holds none to decode (drop --decode gpu)",
-            *("decode", "dataset"),
+            "decode",
+            "dataset",
         )
     if data_path == "device":
         raise Excluded(
             "invalid --decode: --data-path device decodes the image folder once, before "
             "training; --decode gpu decodes each batch as the loader reads it; drop one",
-            *("decode", "data_path"),
+            "decode",
+            "data_path",
         )
 
 
@@ -771,7 +785,8 @@ def check_compile_mode(cfg: TrainConfig) -> None:
         raise Excluded(
             f"invalid --compile-mode: {mode} is a mode of torch.compile, which is off; "
             "add --compile",
-            *("compile_mode", "compile"),
+            "compile_mode",
+            "compile",
         )
     if not (cfg.compile and mode in CUDA_GRAPH_MODES):
         return
@@ -794,7 +809,8 @@ def check_compile_mode(cfg: TrainConfig) -> None:
             raise Excluded(
                 f"invalid --{name.replace('_', '-')}: not with --compile-mode {mode}, which "
                 f"captures CUDA graphs ({reason}); {remedy}, or use --compile-mode default",
-                *(name, "compile_mode"),
+                name,
+                "compile_mode",
             )
 
 
@@ -804,14 +820,16 @@ def check_grad_compression(grad_compression: str, strategy: str, precision: str)
         raise Excluded(
             f"invalid --grad-compression: it compresses DDP's all-reduce; --strategy {strategy} "
             "is one process and all-reduces nothing (use --strategy ddp)",
-            *("grad_compression", "strategy"),
+            "grad_compression",
+            "strategy",
         )
     if powersgd_rank(grad_compression) and precision == "fp16":
         raise Excluded(
             "invalid --grad-compression: PowerSGD carries each step's compression error into "
             "the next, and fp16's loss scale changes between steps (a skipped step leaves inf "
             "there); use --precision bf16 or fp32, or --grad-compression fp16",
-            *("grad_compression", "precision"),
+            "grad_compression",
+            "precision",
         )
 
 
@@ -822,7 +840,8 @@ def check_profile_window(window: tuple[int, int] | None, max_steps: int | None) 
         raise Excluded(
             f"invalid --profile-steps: the run stops at step {max_steps} (--max-steps), so the "
             f"steps after step {window[0]} never run; lower A or raise --max-steps",
-            *("profile_steps", "max_steps"),
+            "profile_steps",
+            "max_steps",
         )
 
 
@@ -834,20 +853,23 @@ def check_shards_settings(cfg: TrainConfig) -> None:
             raise Excluded(
                 "invalid --shuffle-buffer: it shuffles the streams of --dataset shards; other "
                 "data sets are permuted whole each epoch",
-                *("shuffle_buffer", "dataset"),
+                "shuffle_buffer",
+                "dataset",
             )
         return
     if cfg.data_path == "device":
         raise Excluded(
             "invalid --data-path: shards stream through the loader's workers (--data-path "
             "loader or auto); --data-path device holds synthetic or stl10 in device memory",
-            *("data_path", "dataset"),
+            "data_path",
+            "dataset",
         )
     if cfg.ra_reps > 1:
         raise Excluded(
             "invalid --ra-reps: each sample of --dataset shards is streamed to one rank; "
             "repeated augmentation needs --dataset imagefolder",
-            *("ra_reps", "dataset"),
+            "ra_reps",
+            "dataset",
         )
 
 
@@ -872,19 +894,22 @@ def check_dataset_settings(cfg: TrainConfig) -> None:
         raise Excluded(
             f"invalid --download: it fetches STL-10, and --dataset {cfg.dataset} is read as it "
             "is; drop --download",
-            *("download", "dataset"),
+            "download",
+            "dataset",
         )
     if cfg.workers and cfg.data_path == "device":
         raise Excluded(
             "invalid --workers: --data-path device holds the set in device memory and "
             "augments it there, with no loader; drop --workers, or use --data-path loader",
-            *("workers", "data_path"),
+            "workers",
+            "data_path",
         )
     if cfg.skip_bad_images and cfg.dataset in ("synthetic", "stl10"):
         raise Excluded(
             "invalid --skip-bad-images: it leaves out image files that cannot be decoded, and "
             f"--dataset {cfg.dataset} has none; drop --skip-bad-images",
-            *("skip_bad_images", "dataset"),
+            "skip_bad_images",
+            "dataset",
         )
 
 
@@ -895,7 +920,8 @@ def check_defaulted_settings(cfg: TrainConfig, given: dict[str, Any]) -> None:
         raise Excluded(
             "invalid --synthetic-size: it sizes the synthetic set, and --dataset "
             f"{cfg.dataset} is read from --data-dir; drop --synthetic-size",
-            *("synthetic_size", "dataset"),
+            "synthetic_size",
+            "dataset",
         )
     for name in ("ema_decay", "ema_steps"):
         flag = "--" + name.replace("_", "-")
@@ -903,7 +929,8 @@ def check_defaulted_settings(cfg: TrainConfig, given: dict[str, Any]) -> None:
             raise Excluded(
                 f"invalid {flag}: it tunes --ema's average of the weights, which is off; add "
                 f"--ema, or drop {flag}",
-                *(name, "ema"),
+                name,
+                "ema",
             )
     check_powersgd_start_step(cfg, given)
 
@@ -917,7 +944,8 @@ def check_powersgd_start_step(cfg: TrainConfig, given: dict[str, Any]) -> None:
             "invalid --powersgd-start-step: it delays PowerSGD, and --grad-compression is "
             f"{cfg.grad_compression}; add --grad-compression powersgd (or powersgd:RANK), or "
             "drop --powersgd-start-step",
-            *("powersgd_start_step", "grad_compression"),
+            "powersgd_start_step",
+            "grad_compression",
         )
 
 
@@ -1047,20 +1075,11 @@ def dataset_in(data_dir: Any, download: bool) -> str:
 @dataclass(frozen=True)
 class SettledRequest:
     """`ddpcli train`'s request, where each given setting came from (for errors found
-    later), and what of the recipe a flag left out: recipe setting -> that flag's setting."""
+    later), and a line for each recipe setting a flag left out, naming that flag."""
 
     config: TrainConfig
     origins: dict[str, str]
-    left_out: dict[str, str]
-
-    def left_out_lines(self, recipe: Path | None, flags: dict[str, Any]) -> list[str]:
-        """One line per recipe setting left out, naming the flag that excluded it."""
-        recipe_values = load_recipe(recipe) if recipe and self.left_out else {}
-        return [
-            f"recipe {recipe}: {spelled(name, recipe_values[name])} left out, as "
-            f"{spelled(flag, flags[flag])} on the command line excludes it"
-            for name, flag in self.left_out.items()
-        ]
+    left_out: list[str]
 
 
 def spelled(name: str, value: Any) -> str:
@@ -1092,7 +1111,7 @@ def settle_train_request(
     refuse_resolved(RunFacts, {**from_recipe, **from_flags}, from_recipe, recipe)
     check_recipe_types(from_recipe, recipe)
     kept = dict(from_recipe)
-    left_out: dict[str, str] = {}
+    left_out: list[str] = []
     while True:
         try:
             config = request_from(from_pod, kept, from_flags, env, recipe)
@@ -1105,14 +1124,16 @@ def settle_train_request(
                 origins.update(setting_origins(kept, from_flags, recipe))
                 raise with_origins(refusal_of(error), origins) from None
             setting, flag = overruled
-            del kept[setting]
-            left_out[setting] = flag
+            left_out.append(
+                f"recipe {recipe}: {spelled(setting, kept.pop(setting))} left out, as "
+                f"{spelled(flag, from_flags[flag])} on the command line excludes it"
+            )
 
 
 def refusal_of(error: ValidationError | Excluded) -> DdpcliError:
     """Exit 2 with the refusal's own line(s), naming the flags."""
     if isinstance(error, Excluded):
-        return usage_error(error.message)
+        return usage_error(str(error))
     return usage_error(describe_validation_error(error))
 
 
