@@ -43,8 +43,10 @@ def adopt_legacy_local_rank(argv: list[str], environ: MutableMapping[str, str]) 
 
 
 def main() -> None:
+    from ddpcli.interrupts import hold_interrupts_while_importing
     from ddpcli.process import collect_then_freeze, whole_lines
 
+    hold_interrupts_while_importing("torch")  # else a Ctrl-C can be lost in it (interrupts.py)
     whole_lines()
     sys.argv = adopt_legacy_local_rank(sys.argv, os.environ)
     try:

@@ -31,6 +31,7 @@ from ddpcli.errors import (
     gave_up_waiting,
     lost_a_peer,
 )
+from ddpcli.interrupts import hold_interrupts_while_importing
 from ddpcli.process import die_with_parent, record_for_agent
 from ddpcli.stacks import (
     STACKS_FOLDER_VARIABLE,
@@ -123,6 +124,7 @@ def script_finished(reports: str) -> None:
 
 def main(argv: list[str]) -> None:
     die_with_parent()
+    hold_interrupts_while_importing("torch")  # the script's import: else Ctrl-C can be lost
     reports = os.environ.pop(STACKS_FOLDER_VARIABLE, "")  # not the script's business
     # Where a stopped rank was stuck. faulthandler keeps the file open for the process's life.
     faulthandler.register(signal.SIGTERM, file=stack_output(reports), all_threads=True, chain=True)

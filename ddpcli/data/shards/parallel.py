@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import multiprocessing
 import signal
-import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ProcessPoolExecutor, wait
 from typing import TypeVar
+
+from ddpcli.interrupts import InterruptsHeld
 
 Task = TypeVar("Task")
 Result = TypeVar("Result")
@@ -34,29 +35,6 @@ def start_fork_server() -> None:
         signal.signal(signal.SIGINT, previous)
 
 
-class InterruptsHeld:
-    """Ctrl-C taken when the block ends, not inside it: a KeyboardInterrupt in the middle of
-    starting or stopping the pool (a worker half launched, the executor's own bookkeeping
-    cut short) leaves workers that no one ends, and an exit that waits for them forever."""
-
-    def __enter__(self) -> InterruptsHeld:
-        self.came = False
-        self.previous = signal.getsignal(signal.SIGINT)
-        if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGINT, self.note)
-        return self
-
-    def note(self, signum: int, frame: object) -> None:
-        self.came = True
-
-    def __exit__(self, kind: type[BaseException] | None, *rest: object) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            return
-        signal.signal(signal.SIGINT, self.previous)
-        if self.came and kind is None and callable(self.previous):
-            self.previous(signal.SIGINT, None)  # Python's own: raises KeyboardInterrupt
-
-
 def run_parallel(
     function: Callable[[Task], Result],
     tasks: Sequence[Task],
@@ -68,7 +46,10 @@ def run_parallel(
 
     Ctrl-C is this process's alone: the workers ignore it (a traceback each otherwise). It
     stops them at once (`stop_workers`), so that the command ends with no process of it
-    left; what a stopped worker leaves is its caller's to clear (pack: temporary files)."""
+    left; what a stopped worker leaves is its caller's to clear (pack: temporary files).
+    It is held while the pool starts, takes tasks or stops: one in the middle of that (a
+    worker half launched, the executor's own bookkeeping cut short) left workers that no
+    one ended, and an exit that waited for them forever."""
     if processes <= 1 or len(tasks) <= 1:
         results = []
         for task in tasks:

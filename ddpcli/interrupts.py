@@ -1,0 +1,87 @@
+"""Ctrl-C held back where a KeyboardInterrupt would be lost, or would leave work half done.
+
+Python raises KeyboardInterrupt wherever the main thread happens to be. Inside torch's import
+it can be lost: torch's C++ start-up imports numpy, takes a failure there for "no numpy" (a
+warning), and goes on, so a Ctrl-C pressed then does nothing (the launcher kept its job running
+until a second one), and what follows runs on a torch without numpy (a later `import numpy`:
+"cannot load module more than once per process"). Held, the Ctrl-C is taken when the block ends.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+from types import ModuleType
+from typing import Any
+
+
+class InterruptsHeld:
+    """Ctrl-C taken when the block ends, not inside it (in the main thread; elsewhere Python
+    raises no KeyboardInterrupt). A block that fails of itself raises its own error."""
+
+    def __enter__(self) -> InterruptsHeld:
+        self.came = False
+        self.previous = signal.getsignal(signal.SIGINT)
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, self.note)
+        return self
+
+    def note(self, signum: int, frame: object) -> None:
+        self.came = True
+
+    def __exit__(self, kind: type[BaseException] | None, *rest: object) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        signal.signal(signal.SIGINT, self.previous)
+        if self.came and kind is None and callable(self.previous):
+            self.previous(signal.SIGINT, None)  # Python's own: raises KeyboardInterrupt
+
+
+def hold_interrupts_while_importing(name: str) -> None:
+    """The first import of the top-level package NAME, wherever it happens in this process
+    (a user's script too), runs with Ctrl-C held: found by the usual finders, loaded by its
+    own loader inside InterruptsHeld. Installed before anything imports NAME; once imported,
+    the finder is gone."""
+    if name not in sys.modules:
+        sys.meta_path.insert(0, HeldImportFinder(name))
+
+
+class HeldImportFinder(importlib.abc.MetaPathFinder):
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)  # once: what follows finds it the usual way
+        for finder in sys.meta_path:
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                if spec.loader is not None:
+                    spec.loader = HeldLoader(spec.loader)
+                return spec
+        return None
+
+
+class HeldLoader(importlib.abc.Loader):
+    """A module's own LOADER, its execution inside InterruptsHeld; the module keeps that
+    loader as its own (torch's resources are found through it)."""
+
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        module.__loader__ = self.loader
+        if module.__spec__ is not None:  # the import system made it from the spec: it has one
+            module.__spec__.loader = self.loader
+        with InterruptsHeld():
+            self.loader.exec_module(module)

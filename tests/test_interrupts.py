@@ -1,0 +1,77 @@
+"""A Ctrl-C that comes while torch is being imported is taken once the import is done, in a
+ddpcli command and in a launched script alike: inside torch's import a KeyboardInterrupt can
+be lost (its C++ start-up reads a failed numpy import as "no numpy"), and a launcher that lost
+one ran its job on. A stand-in torch loses it the same way, at a moment the test picks; each
+command is started as a new interpreter, as a user starts it (the tests' zygote has torch).
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from conftest import REPO, answer_ctrl_c, clean_env, ignores_ctrl_c
+
+# Long enough that the test's SIGINT lands inside it, short enough to wait out when held.
+IMPORT_S = 2
+
+STAND_IN_TORCH = f"""
+    import sys, time
+    print("torch: importing", file=sys.stderr, flush=True)
+    try:
+        time.sleep({IMPORT_S})
+    except KeyboardInterrupt:
+        pass  # lost, as torch's C++ start-up loses one in its numpy import
+    print("torch: imported", file=sys.stderr, flush=True)
+"""
+
+
+@pytest.fixture
+def stand_in_torch(tmp_path):
+    package = tmp_path / "fake" / "torch"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text(textwrap.dedent(STAND_IN_TORCH))
+    return clean_env(PYTHONPATH=f"{package.parent}:{REPO}")
+
+
+def ctrl_c_inside_torch_import(command: list[str], env: dict[str, str], cwd):
+    """COMMAND's exit code, stdout and stderr, with a SIGINT sent while it imports torch."""
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd,
+        preexec_fn=answer_ctrl_c if ignores_ctrl_c() else None,
+    )  # fmt: skip
+    try:
+        lines = []
+        for line in process.stderr:
+            lines.append(line)
+            if "torch: importing" in line:
+                process.send_signal(signal.SIGINT)
+                break
+        stdout, rest = process.communicate(timeout=60)
+        return process.returncode, stdout, "".join(lines) + rest
+    finally:
+        process.kill()
+
+
+def test_a_command_takes_the_ctrl_c_once_torch_is_in(stand_in_torch, tmp_path):
+    command = [sys.executable, "-m", "ddpcli", "check-env"]
+    code, _, stderr = ctrl_c_inside_torch_import(command, stand_in_torch, tmp_path)
+    assert code == 130, stderr[-2000:]
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert lines == ["torch: importing", "torch: imported", "error: interrupted"], stderr
+
+
+def test_a_launched_script_takes_the_ctrl_c_once_torch_is_in(stand_in_torch, tmp_path):
+    """The bootstrap that runs each worker of `ddpcli launch` holds it for the script's own
+    import (the launcher passes Ctrl-C on to every worker)."""
+    script = tmp_path / "train.py"
+    script.write_text("import torch\nprint('the script went on', flush=True)\n")
+    command = [sys.executable, "-m", "ddpcli.launcher.bootstrap", str(script)]
+    env = {**stand_in_torch, "RANK": "0"}
+    code, stdout, stderr = ctrl_c_inside_torch_import(command, env, tmp_path)
+    assert code == 130, stderr[-2000:]
+    assert "torch: imported" in stderr and "Traceback" not in stderr, stderr
+    assert "went on" not in stdout
