@@ -335,6 +335,41 @@ def test_ctrl_c_prints_one_line_exits_130_and_leaves_nothing(tmp_path):
     assert_none_left(str(script))
 
 
+def test_ctrl_c_names_a_rank_stuck_where_python_cannot_stop_it_and_a_second_ends_it(tmp_path):
+    """Rank 0 waits in init_process_group for rank 1, still in its own Python code. Ctrl-C
+    ends rank 1 at once; rank 0 waits on inside torch's native wait, where no KeyboardInterrupt
+    reaches it. It is named within seconds, and a second Ctrl-C ends it, instead of the
+    agent's kill at the end of its 30 s grace."""
+    script = write_script(
+        tmp_path,
+        "late.py",
+        """
+        import os, sys, time
+        import torch.distributed as dist
+        print(f"rank {os.environ['RANK']} in", file=sys.stderr, flush=True)
+        if os.environ["RANK"] == "1":
+            time.sleep(120)
+        dist.init_process_group("gloo")
+        """,
+    )
+    command = [sys.executable, "-m", "ddpcli", "launch", "--nproc", "2", str(script)]
+    run = LiveProcess(command, clean_env(PYTHONUNBUFFERED="1"))
+    try:
+        run.wait_for("rank 0 in", timeout=STARTUP_S)
+        run.wait_for("rank 1 in", timeout=STARTUP_S)
+        time.sleep(2)  # rank 0 inside init's wait
+        run.process.send_signal(signal.SIGINT)
+        run.wait_for("still running", timeout=20)
+        run.process.send_signal(signal.SIGINT)
+        code = run.finish(timeout=15)
+    finally:
+        run.kill()
+    assert code == 130, run.stderr[-3000:]
+    assert "rank(s) 0 still running 3 s after Ctrl-C" in run.stderr, run.stderr[-3000:]
+    assert "Ctrl-C again ends them now" in run.stderr
+    assert_none_left(str(script))
+
+
 def test_elastic_membership_and_a_pods_variables_reach_the_workers(tmp_path):
     """`--nnodes 1:2` on the c10d rendezvous, its endpoint and the process count from a pod's
     PET_* variables: one host comes, and after the last call it runs as a world of 2."""

@@ -14,6 +14,10 @@ that they start a later round of the job.
   comes leaves at once.
 - When it has stopped its workers, it ends what they left in their sessions: a child that
   ignores SIGTERM and SIGINT outlived its worker, and the job (torchrun's too).
+- On Ctrl-C, a worker that has not ended a few seconds later is named, with the way out: it
+  is stuck where Python never looks at the signal (a collective or init_process_group whose
+  peer is gone, native code), and would hold the terminal silently for the rest of the
+  agent's 30 s grace. A second Ctrl-C ends every worker's session at once.
 - It marks every start after its first as a later round (LATER_ROUND_FILE): a restart after
   a failure counts in TORCHELASTIC_RESTART_COUNT, but a restart because hosts joined or left
   an elastic job counts nowhere, and its workers must continue the run, not start it over.
@@ -24,11 +28,13 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from ddpcli import ui
 from ddpcli.collectives.gather import await_records, clear_records, request_records
 from ddpcli.records import LATER_ROUND_FILE
 
@@ -75,8 +81,32 @@ class FailedWorkerHandling:
 
     def _close(self, death_sig: signal.Signals, timeout: int = 30) -> None:
         workers = self._worker_pids()
-        super()._close(death_sig, timeout)  # type: ignore[misc]
+        notice = self.stuck_named_later(timeout) if death_sig == signal.SIGINT else None
+        try:
+            super()._close(death_sig, timeout)  # type: ignore[misc]
+        except BaseException:  # a second Ctrl-C, raised here by the agent's handler: now
+            end_what_workers_left(workers, grace_s=0)
+            raise
+        finally:
+            if notice is not None:
+                notice.cancel()
         end_what_workers_left(workers)
+
+    def stuck_named_later(self, grace_s: int) -> threading.Timer:
+        def name_them() -> None:
+            ranks = self._ranks_of_workers_but(set(self._ended_worker_pids()))
+            if ranks:
+                ui.warn(
+                    f"rank(s) {', '.join(map(str, ranks))} still running "
+                    f"{STUCK_NOTICE_AFTER_S:g} s after Ctrl-C (inside a collective or native "
+                    f"code, where Python does not see it): killed at {grace_s} s; Ctrl-C again "
+                    "ends them now"
+                )
+
+        timer = threading.Timer(STUCK_NOTICE_AFTER_S, name_them)
+        timer.daemon = True
+        timer.start()
+        return timer
 
     def _ranks_of_workers_but(self, pids: set[int]) -> list[int]:
         """The global ranks of this node's workers, but those of PIDS."""
@@ -94,12 +124,22 @@ class FailedWorkerHandling:
         return [h.proc.pid for h in getattr(self, "subprocess_handlers", {}).values()]
 
     def _failed_worker_pids(self) -> list[int]:
+        return [pid for pid, code in self._exit_codes().items() if code not in (0, None)]
+
+    def _ended_worker_pids(self) -> list[int]:
+        return [pid for pid, code in self._exit_codes().items() if code is not None]
+
+    def _exit_codes(self) -> dict[int, int | None]:
+        """Each worker's exit code by its pid; None while it runs."""
         processes = getattr(self, "_pc", None)
         if processes is not None:  # forked: multiprocessing's processes
-            return [p.pid for p in processes.processes if p.exitcode not in (0, None)]
+            return {p.pid: p.exitcode for p in processes.processes if p.pid is not None}
         handlers = getattr(self, "subprocess_handlers", {}).values()
-        return [h.proc.pid for h in handlers if h.proc.poll() not in (0, None)]
+        return {h.proc.pid: h.proc.poll() for h in handlers}
 
+
+# How long after Ctrl-C a worker still running is named (a clean stop takes well under it).
+STUCK_NOTICE_AFTER_S = 3.0
 
 # A worker's children had the worker's own grace to end on its signal (the agent signals
 # each worker's process group): a little more, then they are killed.
