@@ -361,6 +361,14 @@ def test_inspect_table_for_people_on_stderr(saved):
     assert result.exit_code == 0 and result.stdout == ""
     for words in ("1 of 3 epochs done", "step 8", "tinycnn", "6,418", "float32", "sha256"):
         assert words in result.stderr
+    # The settings that differ from the defaults, and what the run found; not the rest.
+    config = result.stderr.split("config, beside the defaults (--json: all): ")[1]
+    settings = dict(pair.split("=", 1) for pair in config.split() if "=" in pair)
+    assert {"arch": "tinycnn", "epochs": "3", "image_size": "16", "cpu": "True"}.items() <= (
+        settings.items()
+    )
+    assert "peak_lr" in settings
+    assert not {"seed", "ema_decay", "powersgd_start_step", "keep_last"} & settings.keys()
 
 
 def test_inspect_shows_the_ddp_prefix(tmp_path):

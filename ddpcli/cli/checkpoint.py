@@ -6,6 +6,7 @@ table on stderr for people, one JSON document on stdout with `--json`.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -27,8 +28,8 @@ JsonFlag = Annotated[bool, typer.Option("--json", help="Print one JSON document 
 def inspect(path: CheckpointPath, json_output: JsonFlag = False) -> None:
     """Show a checkpoint's progress, metrics, config and tensors.
 
-    Epoch, step, metrics, the resolved config, tensor and parameter counts, dtypes and
-    devices, and whether keys carry DDP's `module.` prefix.
+    Epoch, step, metrics, the settings not at their defaults (--json: all of them), tensor
+    and parameter counts, dtypes and devices, and whether keys carry DDP's `module.` prefix.
 
     Loads with weights_only=True: a file that needs arbitrary Python objects is refused."""
 
@@ -264,9 +265,23 @@ def show_inspection(report: dict[str, Any]) -> None:
     if report.get("metrics"):
         ui.console.print(metrics_table(report["metrics"]))
     if report.get("config"):
-        config = report["config"].items()
-        settings = (f"{k}={v}" for k, v in config if v is not None and v is not False)
-        ui.info("config: " + " ".join(settings))
+        settings = (f"{k}={v}" for k, v in not_at_defaults(report["config"]).items())
+        ui.info("config, beside the defaults (--json: all): " + " ".join(settings))
+
+
+def not_at_defaults(config: dict[str, Any]) -> dict[str, Any]:
+    """The settings of a saved CONFIG that differ from today's defaults as a config resolves
+    them, and what the run found (peak_lr, the reasons for its auto choices): among all ~100
+    settings they were hard to find."""
+    from ddpcli.config.train import TrainConfig
+
+    defaults = json.loads(TrainConfig.model_validate({}).model_dump_json())  # as saved
+    return {
+        name: value
+        for name, value in config.items()
+        if value is not None and value is not False
+        and (name not in defaults or value != defaults[name])
+    }  # fmt: skip
 
 
 def inspection_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
