@@ -37,8 +37,9 @@ def stand_in_torch(tmp_path):
     return clean_env(PYTHONPATH=f"{package.parent}:{REPO}")
 
 
-def ctrl_c_inside_torch_import(command: list[str], env: dict[str, str], cwd):
-    """COMMAND's exit code, stdout and stderr, with a SIGINT sent while it imports torch."""
+def ctrl_c_once_it_says(command: list[str], env: dict[str, str], cwd, marker: str):
+    """COMMAND's exit code, stdout and stderr, with a SIGINT sent once it prints MARKER on
+    stderr (the stand-in torch: "torch: importing")."""
     process = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd,
         preexec_fn=answer_ctrl_c if ignores_ctrl_c() else None,
@@ -47,7 +48,7 @@ def ctrl_c_inside_torch_import(command: list[str], env: dict[str, str], cwd):
         lines = []
         for line in process.stderr:
             lines.append(line)
-            if "torch: importing" in line:
+            if marker in line:
                 process.send_signal(signal.SIGINT)
                 break
         stdout, rest = process.communicate(timeout=60)
@@ -58,7 +59,7 @@ def ctrl_c_inside_torch_import(command: list[str], env: dict[str, str], cwd):
 
 def test_a_command_takes_the_ctrl_c_once_torch_is_in(stand_in_torch, tmp_path):
     command = [sys.executable, "-m", "ddpcli", "check-env"]
-    code, _, stderr = ctrl_c_inside_torch_import(command, stand_in_torch, tmp_path)
+    code, _, stderr = ctrl_c_once_it_says(command, stand_in_torch, tmp_path, "torch: importing")
     assert code == 130, stderr[-2000:]
     lines = [line for line in stderr.splitlines() if line.strip()]
     assert lines == ["torch: importing", "torch: imported", "error: interrupted"], stderr
@@ -71,7 +72,25 @@ def test_a_launched_script_takes_the_ctrl_c_once_torch_is_in(stand_in_torch, tmp
     script.write_text("import torch\nprint('the script went on', flush=True)\n")
     command = [sys.executable, "-m", "ddpcli.launcher.bootstrap", str(script)]
     env = {**stand_in_torch, "RANK": "0"}
-    code, stdout, stderr = ctrl_c_inside_torch_import(command, env, tmp_path)
+    code, stdout, stderr = ctrl_c_once_it_says(command, env, tmp_path, "torch: importing")
     assert code == 130, stderr[-2000:]
     assert "torch: imported" in stderr and "Traceback" not in stderr, stderr
     assert "went on" not in stdout
+
+
+def test_a_worker_interrupted_before_its_script_starts_ends_at_once_and_quietly(tmp_path):
+    """The Ctrl-C the agent passes on can reach a worker still importing the bootstrap's own
+    modules (a second or more on a busy machine; rich is one): Python's own printed a
+    traceback of those imports on every such worker."""
+    stand_in = tmp_path / "fake" / "rich"
+    stand_in.mkdir(parents=True)
+    (stand_in / "__init__.py").write_text(
+        "import sys, time\nprint('rich: importing', file=sys.stderr, flush=True)\ntime.sleep(30)\n"
+    )
+    script = tmp_path / "train.py"
+    script.write_text("print('the script ran', flush=True)\n")
+    env = clean_env(PYTHONPATH=f"{stand_in.parent}:{REPO}", RANK="0")
+    command = [sys.executable, "-m", "ddpcli.launcher.bootstrap", str(script)]
+    code, stdout, stderr = ctrl_c_once_it_says(command, env, tmp_path, "rich: importing")
+    assert code == 130, stderr[-2000:]
+    assert stderr.strip() == "rich: importing" and stdout == ""

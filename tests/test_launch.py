@@ -15,7 +15,9 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -368,6 +370,27 @@ def test_ctrl_c_names_a_rank_stuck_where_python_cannot_stop_it_and_a_second_ends
     assert "rank(s) 0 still running 3 s after Ctrl-C" in run.stderr, run.stderr[-3000:]
     assert "Ctrl-C again ends them now" in run.stderr
     assert_none_left(str(script))
+
+
+def test_the_rendezvous_keep_alive_stopped_in_its_own_thread_ends_without_an_error():
+    """What the cyclic collector does now and then after a Ctrl-C (the agent left its
+    rendezvous open): the keep-alive timer's finalizer runs in the timer's own thread."""
+    from torch.distributed.elastic.rendezvous.utils import _PeriodicTimer
+
+    from ddpcli.launcher.engine import keep_alive_stopped_from_any_thread
+
+    errors: list[BaseException | None] = []
+    previous_hook = threading.excepthook
+    threading.excepthook = lambda failed: errors.append(failed.exc_value)
+    try:
+        with keep_alive_stopped_from_any_thread():
+            timer = _PeriodicTimer(timedelta(seconds=0.01), lambda: timer.cancel())
+            timer.start()
+        timer._thread.join(timeout=10)
+    finally:
+        threading.excepthook = previous_hook
+    assert not timer._thread.is_alive()
+    assert errors == []
 
 
 def test_elastic_membership_and_a_pods_variables_reach_the_workers(tmp_path):

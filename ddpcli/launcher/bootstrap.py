@@ -14,12 +14,20 @@ Torch is imported only to record a failure: a script that never imports it stays
 
 from __future__ import annotations
 
+import os
+import signal
+
+if __name__ == "__main__":
+    # Until the script runs, a Ctrl-C (the agent passes the terminal's on to every worker)
+    # ends this worker quietly, as one in the script does; Python's own printed a traceback
+    # of the imports below, which on a busy machine take a second or more.
+    signal.signal(signal.SIGINT, lambda signum, frame: os._exit(128 + signum))
+
 import contextlib
 import faulthandler
-import os
 import runpy
-import signal
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -134,6 +142,7 @@ def main(argv: list[str]) -> None:
     if not rest:
         print(USAGE_TEXT, file=sys.stderr)
         end_now(2)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # from here, the script's
     try:
         run_target(rest[0], as_module, rest[1:])
     except SystemExit as leaving:
@@ -143,13 +152,29 @@ def main(argv: list[str]) -> None:
     except KeyboardInterrupt:  # Ctrl-C: the launcher says it once for the whole job
         end_now(INTERRUPTED)
     except BaseException as error:
-        # Failing already: the agent's SIGTERM to the others may reach this rank too.
-        faulthandler.unregister(signal.SIGTERM)
-        record.dump_if_armed(error)  # for the verdict, if ranks stopped agreeing
-        print_failure(error)
-        record_for_agent(error)
-        end_now(1)
+        try:
+            fail(error)
+        except KeyboardInterrupt:  # the agent's Ctrl-C, while this rank was failing
+            end_now(INTERRUPTED)
     script_finished(reports)
+
+
+# How long a rank that lost a peer waits for a Ctrl-C of its own before it says so.
+CTRL_C_LAG_S = 0.5
+
+
+def fail(error: BaseException) -> None:
+    """The script failed with ERROR: said, recorded for the agent, and the rank ended."""
+    if lost_a_peer(str(error)):
+        # The agent passes a Ctrl-C on to its workers one after another: a rank whose peer
+        # ended on it first can lose the connection before its own comes (raised here).
+        time.sleep(CTRL_C_LAG_S)
+    # Failing already: the agent's SIGTERM to the others may reach this rank too.
+    faulthandler.unregister(signal.SIGTERM)
+    record.dump_if_armed(error)  # for the verdict, if ranks stopped agreeing
+    print_failure(error)
+    record_for_agent(error)
+    end_now(1)
 
 
 def close_process_group() -> None:

@@ -16,7 +16,9 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -338,6 +340,7 @@ def start_workers(
 
     records = records_folder(job)
     with contextlib.ExitStack() as patches:
+        patches.enter_context(keep_alive_stopped_from_any_thread())
         patches.enter_context(failed_workers_handled(job.peer_failed_notice, records))
         attempts = patches.enter_context(restarts_announced(job.max_restarts, job.nproc_per_node))
         try:
@@ -357,6 +360,30 @@ def start_workers(
             if described is None:
                 raise
             raise described from error
+
+
+@contextlib.contextmanager
+def keep_alive_stopped_from_any_thread() -> Iterator[None]:
+    """Elastic's rendezvous keeps itself alive with a timer thread, which a finalizer stops
+    and joins. An agent stopped by a signal leaves its rendezvous open (for the others), and
+    the finalizer runs when the cyclic collector finds it, in whatever thread allocates
+    then: now and then the timer's own, which cannot join itself ("Exception ignored ...
+    RuntimeError: cannot join current thread" after the launcher's last line, 2 of 40
+    Ctrl-Cs under load). Timers started meanwhile are stopped there without the join."""
+    from torch.distributed.elastic.rendezvous import utils
+
+    def stop_thread(thread: threading.Thread, stop_event: threading.Event) -> None:
+        stop_event.set()
+        if thread is not threading.current_thread():
+            thread.join()
+
+    timer = utils._PeriodicTimer
+    original = timer.__dict__["_stop_thread"]
+    timer._stop_thread = staticmethod(stop_thread)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        timer._stop_thread = original  # type: ignore[method-assign]
 
 
 def failure_in_words(
