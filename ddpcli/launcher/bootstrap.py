@@ -164,16 +164,16 @@ CTRL_C_LAG_S = 0.5
 
 
 def fail(error: BaseException) -> None:
-    """The script failed with ERROR: said, recorded for the agent, and the rank ended."""
+    """The script failed with ERROR: recorded for the agent, said, and the rank ended."""
+    # Failing already: the agent's SIGTERM to the others may reach this rank too.
+    faulthandler.unregister(signal.SIGTERM)
+    record.dump_if_armed(error)  # for the verdict, if ranks stopped agreeing
+    record_for_agent(error)
     if lost_a_peer(str(error)):
         # The agent passes a Ctrl-C on to its workers one after another: a rank whose peer
         # ended on it first can lose the connection before its own comes (raised here).
         time.sleep(CTRL_C_LAG_S)
-    # Failing already: the agent's SIGTERM to the others may reach this rank too.
-    faulthandler.unregister(signal.SIGTERM)
-    record.dump_if_armed(error)  # for the verdict, if ranks stopped agreeing
     print_failure(error)
-    record_for_agent(error)
     end_now(1)
 
 
