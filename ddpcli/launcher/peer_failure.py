@@ -118,10 +118,7 @@ class FailedWorkerHandling:
         ]
 
     def _worker_pids(self) -> list[int]:
-        processes = getattr(self, "_pc", None)
-        if processes is not None:
-            return [p.pid for p in processes.processes if p.pid is not None]
-        return [h.proc.pid for h in getattr(self, "subprocess_handlers", {}).values()]
+        return list(self._exit_codes())
 
     def _failed_worker_pids(self) -> list[int]:
         return [pid for pid, code in self._exit_codes().items() if code not in (0, None)]
