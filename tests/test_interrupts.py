@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 from conftest import REPO, answer_ctrl_c, clean_env, ignores_ctrl_c
@@ -94,3 +95,36 @@ def test_a_worker_interrupted_before_its_script_starts_ends_at_once_and_quietly(
     code, stdout, stderr = ctrl_c_once_it_says(command, env, tmp_path, "rich: importing")
     assert code == 130, stderr[-2000:]
     assert stderr.strip() == "rich: importing" and stdout == ""
+
+
+@pytest.fixture
+def slow_typer(tmp_path):
+    """A stand-in typer that takes its time, as the command line's modules do on a busy
+    machine (the real ones: half a second idle, over 1.5 s beside three busy loops)."""
+    stand_in = tmp_path / "fake" / "typer"
+    stand_in.mkdir(parents=True)
+    (stand_in / "__init__.py").write_text(
+        "import sys, time\nprint('typer: importing', file=sys.stderr, flush=True)\ntime.sleep(30)\n"
+    )
+    return clean_env(PYTHONPATH=f"{stand_in.parent}:{REPO}")
+
+
+def installed_command() -> list[str]:
+    """The `ddpcli` that `pip install` wrote beside this interpreter."""
+    script = Path(sys.executable).with_name("ddpcli")
+    if not script.exists():
+        pytest.skip(f"no {script}: ddpcli is not installed in this environment")
+    return [str(script)]
+
+
+@pytest.mark.parametrize("started_as", ["python -m ddpcli", "ddpcli"])
+def test_a_ctrl_c_while_the_command_line_loads_ends_it_with_one_line(
+    started_as, slow_typer, tmp_path
+):
+    command = [sys.executable, "-m", "ddpcli"] if started_as != "ddpcli" else installed_command()
+    code, stdout, stderr = ctrl_c_once_it_says(
+        [*command, "check-env"], slow_typer, tmp_path, "typer: importing"
+    )
+    assert code == 130, stderr[-2000:]
+    assert stderr.splitlines() == ["typer: importing", "error: interrupted"], stderr
+    assert stdout == ""
