@@ -377,13 +377,13 @@ def test_the_rendezvous_keep_alive_stopped_in_its_own_thread_ends_without_an_err
     rendezvous open): the keep-alive timer's finalizer runs in the timer's own thread."""
     from torch.distributed.elastic.rendezvous.utils import _PeriodicTimer
 
-    from ddpcli.launcher.engine import keep_alive_stopped_from_any_thread
+    from ddpcli.launcher.engine import keep_alive_timers_stopped
 
     errors: list[BaseException | None] = []
     previous_hook = threading.excepthook
     threading.excepthook = lambda failed: errors.append(failed.exc_value)
     try:
-        with keep_alive_stopped_from_any_thread():
+        with keep_alive_timers_stopped():
             timer = _PeriodicTimer(timedelta(seconds=0.01), lambda: timer.cancel())
             timer.start()
         timer._thread.join(timeout=10)
@@ -391,6 +391,33 @@ def test_the_rendezvous_keep_alive_stopped_in_its_own_thread_ends_without_an_err
         threading.excepthook = previous_hook
     assert not timer._thread.is_alive()
     assert errors == []
+
+
+def test_a_keep_alive_timer_left_running_by_a_stopped_agent_ends_with_the_launch():
+    """An agent stopped by a signal leaves its rendezvous open and its keep-alive timer
+    running, which torch never stops: alive at exit, a heartbeat returning from C++ then
+    aborted the launcher after its last line. The one caught mid-heartbeat finishes it."""
+    from torch.distributed.elastic.rendezvous.utils import _PeriodicTimer
+
+    from ddpcli.launcher.engine import keep_alive_timers_stopped
+
+    beats: list[float] = []
+    heartbeat_started = threading.Event()
+
+    def heartbeat() -> None:
+        heartbeat_started.set()
+        time.sleep(0.3)
+        beats.append(time.monotonic())
+
+    with keep_alive_timers_stopped():
+        idle = _PeriodicTimer(timedelta(seconds=60), lambda: None)
+        idle.start()
+        busy = _PeriodicTimer(timedelta(seconds=0.01), heartbeat)
+        busy.start()
+        assert heartbeat_started.wait(timeout=10)
+    block_ended = time.monotonic()
+    assert not idle._thread.is_alive() and not busy._thread.is_alive()
+    assert beats and beats[-1] <= block_ended  # the heartbeat under way finished first
 
 
 def test_elastic_membership_and_a_pods_variables_reach_the_workers(tmp_path):

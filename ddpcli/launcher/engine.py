@@ -340,7 +340,7 @@ def start_workers(
 
     records = records_folder(job)
     with contextlib.ExitStack() as patches:
-        patches.enter_context(keep_alive_stopped_from_any_thread())
+        patches.enter_context(keep_alive_timers_stopped())
         patches.enter_context(failed_workers_handled(job.peer_failed_notice, records))
         attempts = patches.enter_context(restarts_announced(job.max_restarts, job.nproc_per_node))
         try:
@@ -363,13 +363,15 @@ def start_workers(
 
 
 @contextlib.contextmanager
-def keep_alive_stopped_from_any_thread() -> Iterator[None]:
-    """Elastic's rendezvous keeps itself alive with a timer thread, which a finalizer stops
-    and joins. An agent stopped by a signal leaves its rendezvous open (for the others), and
-    the finalizer runs when the cyclic collector finds it, in whatever thread allocates
-    then: now and then the timer's own, which cannot join itself ("Exception ignored ...
-    RuntimeError: cannot join current thread" after the launcher's last line, 2 of 40
-    Ctrl-Cs under load). Timers started meanwhile are stopped there without the join."""
+def keep_alive_timers_stopped() -> Iterator[None]:
+    """Elastic's rendezvous keeps itself alive with a timer thread (a heartbeat to its store
+    every few seconds). An agent stopped by a signal leaves its rendezvous open, for the other
+    nodes, and its timer running: torch never stops one at exit, and a heartbeat that returns
+    from C++ while the interpreter shuts down ends its thread there ("terminate called without
+    an active exception", SIGABRT after the launcher's last line: 1 in 40 Ctrl-Cs under load).
+    Every timer started meanwhile is stopped when the block ends, its heartbeat given a bounded
+    while to finish. Its finalizer, which the cyclic collector can run in the timer's own
+    thread ("cannot join current thread", 2 in 40), skips that join."""
     from torch.distributed.elastic.rendezvous import utils
 
     def stop_thread(thread: threading.Thread, stop_event: threading.Event) -> None:
@@ -378,12 +380,29 @@ def keep_alive_stopped_from_any_thread() -> Iterator[None]:
             thread.join()
 
     timer = utils._PeriodicTimer
-    original = timer.__dict__["_stop_thread"]
+    originals = {name: timer.__dict__[name] for name in ("start", "_stop_thread")}
+    started: list[utils._PeriodicTimer] = []
+
+    def start(self: utils._PeriodicTimer) -> None:
+        originals["start"](self)
+        started.append(self)
+
+    timer.start = start  # type: ignore[method-assign]
     timer._stop_thread = staticmethod(stop_thread)  # type: ignore[method-assign]
     try:
         yield
     finally:
-        timer._stop_thread = original  # type: ignore[method-assign]
+        for name, original in originals.items():
+            setattr(timer, name, original)
+        for each in started:
+            each._ctx.stop_event.set()
+        for each in started:
+            if each._thread is not None:  # a heartbeat to a store that no longer answers
+                each._thread.join(timeout=KEEP_ALIVE_STOP_S)  # has its own timeout
+
+
+# How long a keep-alive timer's last heartbeat may take to finish once the launch is over.
+KEEP_ALIVE_STOP_S = 2.0
 
 
 def failure_in_words(
