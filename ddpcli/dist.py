@@ -26,6 +26,7 @@ from ddpcli.environments import LauncherEnv
 from ddpcli.environments.world import DEFAULT_MASTER_PORT, tcp_address
 from ddpcli.errors import STOPPED_FOR_PEER, first_line, runtime_error, usage_error
 from ddpcli.fork_guard import fork_only_when_quiet
+from ddpcli.interrupts import ctrl_c_ends_a_stuck_wait
 
 
 @dataclass(frozen=True)
@@ -99,15 +100,16 @@ def init_distributed(
         # can itself hang; 1 (what torchrun's agent sets) aborts first. Nothing measured
         # argues for overriding torch (see docs/multi-node.md).
         try:
-            dist.init_process_group(
-                backend=backend,
-                **rendezvous_args(env, init_method, timeout_s),
-                rank=env.rank,
-                world_size=env.world_size,
-                timeout=datetime.timedelta(seconds=timeout_s),
-                # Binding the device lets barriers and NCCL know it instead of guessing.
-                device_id=device if device.type == "cuda" else None,
-            )
+            with ctrl_c_ends_a_stuck_wait():  # a peer the same Ctrl-C ended never comes
+                dist.init_process_group(
+                    backend=backend,
+                    **rendezvous_args(env, init_method, timeout_s),
+                    rank=env.rank,
+                    world_size=env.world_size,
+                    timeout=datetime.timedelta(seconds=timeout_s),
+                    # Binding the device lets barriers and NCCL know it instead of guessing.
+                    device_id=device if device.type == "cuda" else None,
+                )
         except (RuntimeError, ValueError) as error:
             raise runtime_error(
                 f"rank {env.rank}: could not join the process group ({backend}, "

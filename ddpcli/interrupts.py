@@ -5,16 +5,21 @@ it can be lost: torch's C++ start-up imports numpy, takes a failure there for "n
 warning), and goes on, so a Ctrl-C pressed then does nothing (the launcher kept its job running
 until a second one), and what follows runs on a torch without numpy (a later `import numpy`:
 "cannot load module more than once per process"). Held, the Ctrl-C is taken when the block ends.
+
+Where the main thread waits in C++ instead (joining the process group), Python's handler never
+runs at all: there a Ctrl-C that the wait does not end within a grace ends the process.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.abc
 import importlib.machinery
+import os
 import signal
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from types import ModuleType
 from typing import Any
 
@@ -85,3 +90,52 @@ class HeldLoader(importlib.abc.Loader):
             module.__spec__.loader = self.loader
         with InterruptsHeld():
             self.loader.exec_module(module)
+
+
+# How long after a Ctrl-C a wait on peers may go on before it is taken for stuck: a call
+# into C++ that returns (a store's reply) lets Python's handler run well within it.
+STUCK_AFTER_CTRL_C_S = 2.0
+INTERRUPTED = 130  # 128 + SIGINT, the code a Ctrl-C ends a rank with
+
+
+@contextlib.contextmanager
+def ctrl_c_ends_a_stuck_wait(grace_s: float = STUCK_AFTER_CTRL_C_S) -> Iterator[None]:
+    """For a block that only waits on peers (joining the process group, nothing to save yet):
+    a Ctrl-C the block has not ended by GRACE_S later ends the process quietly with 130. The
+    wait runs in C++, where Python's handler never runs, and a peer that the same Ctrl-C
+    ended never comes: the rank sat out the launcher's 30 s grace (3 of 29 Ctrl-Cs at a
+    launch's start under load). Python's C handler still writes each signal's number to the
+    wakeup fd, which a thread here reads."""
+    handled = callable(signal.getsignal(signal.SIGINT))  # else Python's C handler is not in
+    if not handled or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    read_end, write_end = os.pipe()
+    os.set_blocking(write_end, False)  # the C handler must never block on a full pipe
+    over = threading.Event()
+    previous = None
+    watch = None
+    try:
+        previous = signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+        watch = threading.Thread(
+            target=end_when_stuck, args=(read_end, previous, over, grace_s), daemon=True
+        )
+        watch.start()
+        yield
+    finally:  # also after a Ctrl-C taken as KeyboardInterrupt on the way in
+        if previous is not None:
+            signal.set_wakeup_fd(previous)
+        over.set()
+        os.close(write_end)  # the watch reads the end of the pipe, and returns
+        if watch is not None and watch.ident is not None:
+            watch.join()
+        os.close(read_end)
+
+
+def end_when_stuck(read_end: int, previous: int, over: threading.Event, grace_s: float) -> None:
+    while signals := os.read(read_end, 64):
+        if previous >= 0:  # the wakeup fd set before ours still hears of every signal
+            with contextlib.suppress(OSError):
+                os.write(previous, signals)
+        if signal.SIGINT in signals and not over.wait(grace_s):
+            os._exit(INTERRUPTED)  # the launcher says it once, for every rank

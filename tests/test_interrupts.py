@@ -11,10 +11,11 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, answer_ctrl_c, clean_env, ignores_ctrl_c
+from conftest import REPO, answer_ctrl_c, clean_env, free_port, ignores_ctrl_c
 
 # Long enough that the test's SIGINT lands inside it, short enough to wait out when held.
 IMPORT_S = 2
@@ -38,9 +39,11 @@ def stand_in_torch(tmp_path):
     return clean_env(PYTHONPATH=f"{package.parent}:{REPO}")
 
 
-def ctrl_c_once_it_says(command: list[str], env: dict[str, str], cwd, marker: str):
-    """COMMAND's exit code, stdout and stderr, with a SIGINT sent once it prints MARKER on
-    stderr (the stand-in torch: "torch: importing")."""
+def ctrl_c_once_it_says(
+    command: list[str], env: dict[str, str], cwd, marker: str, after_s: float = 0
+):
+    """COMMAND's exit code, stdout and stderr, with a SIGINT sent AFTER_S once it prints
+    MARKER on stderr (the stand-in torch: "torch: importing")."""
     process = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd,
         preexec_fn=answer_ctrl_c if ignores_ctrl_c() else None,
@@ -50,6 +53,7 @@ def ctrl_c_once_it_says(command: list[str], env: dict[str, str], cwd, marker: st
         for line in process.stderr:
             lines.append(line)
             if marker in line:
+                time.sleep(after_s)
                 process.send_signal(signal.SIGINT)
                 break
         stdout, rest = process.communicate(timeout=60)
@@ -128,3 +132,56 @@ def test_a_ctrl_c_while_the_command_line_loads_ends_it_with_one_line(
     assert code == 130, stderr[-2000:]
     assert stderr.splitlines() == ["typer: importing", "error: interrupted"], stderr
     assert stdout == ""
+
+
+JOIN_ALONE = """
+    import sys
+    from ddpcli.dist import init_distributed
+    from ddpcli.environments import read_launcher_env
+
+    print("joining", file=sys.stderr, flush=True)
+    init_distributed(read_launcher_env(), want_gpu=False, backend="gloo", init_method=None,
+                     timeout_s=60)
+"""
+
+
+def test_a_ctrl_c_ends_a_rank_waiting_in_cpp_for_a_peer_that_never_comes(tmp_path):
+    """A rank joining the process group waits in C++ for its peers, where Python's handler
+    never runs: a peer that the same Ctrl-C ended never comes, and the rank waited out the
+    group's timeout (here 60 s), or the launcher's 30 s grace. It ends within the grace."""
+    from ddpcli.interrupts import STUCK_AFTER_CTRL_C_S
+
+    script = tmp_path / "join.py"
+    script.write_text(textwrap.dedent(JOIN_ALONE))
+    env = clean_env(
+        PYTHONPATH=str(REPO), RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+    )  # fmt: skip
+    started = time.monotonic()
+    code, stdout, stderr = ctrl_c_once_it_says(
+        [sys.executable, str(script)], env, tmp_path, "joining", after_s=1
+    )  # by then waiting in C++ (joining takes milliseconds to get there)
+    assert code == 130, stderr[-2000:]
+    assert stderr.strip() == "joining" and stdout == ""  # quiet: the launcher says it once
+    assert time.monotonic() - started < STUCK_AFTER_CTRL_C_S + 20
+
+
+def test_a_ctrl_c_the_block_takes_itself_is_the_usual_keyboard_interrupt(tmp_path):
+    """Where the wait returns to Python (here it never left it), the block's own handling of
+    the Ctrl-C stands, and the watch ends with the block."""
+    script = tmp_path / "wait.py"
+    script.write_text(textwrap.dedent("""
+        import sys, threading, time
+        from ddpcli.interrupts import ctrl_c_ends_a_stuck_wait
+        try:
+            with ctrl_c_ends_a_stuck_wait(grace_s=1):
+                print("waiting", file=sys.stderr, flush=True)
+                time.sleep(30)
+        except KeyboardInterrupt:
+            time.sleep(2)  # past the grace: no exit from the watch
+            print(f"taken, threads: {threading.active_count()}", flush=True)
+    """))  # fmt: skip
+    command = [sys.executable, str(script)]
+    env = clean_env(PYTHONPATH=str(REPO))
+    code, stdout, stderr = ctrl_c_once_it_says(command, env, tmp_path, "waiting")
+    assert (code, stdout) == (0, "taken, threads: 1\n"), stderr[-2000:]
