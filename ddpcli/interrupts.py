@@ -103,8 +103,8 @@ def ctrl_c_ends_a_stuck_wait(grace_s: float = STUCK_AFTER_CTRL_C_S) -> Iterator[
     """For a block that only waits on peers (joining the process group, nothing to save yet):
     a Ctrl-C the block has not ended by GRACE_S later ends the process quietly with 130. The
     wait runs in C++, where Python's handler never runs, and a peer that the same Ctrl-C
-    ended never comes: the rank sat out the launcher's 30 s grace (3 of 29 Ctrl-Cs at a
-    launch's start under load). Python's C handler still writes each signal's number to the
+    ended never comes: a launched rank sat out the launcher's 30 s grace, one started by
+    hand its whole timeout. Python's C handler still writes each signal's number to the
     wakeup fd, which a thread here reads."""
     handled = callable(signal.getsignal(signal.SIGINT))  # else Python's C handler is not in
     if not handled or threading.current_thread() is not threading.main_thread():
@@ -138,4 +138,4 @@ def end_when_stuck(read_end: int, previous: int, over: threading.Event, grace_s:
             with contextlib.suppress(OSError):
                 os.write(previous, signals)
         if signal.SIGINT in signals and not over.wait(grace_s):
-            os._exit(INTERRUPTED)  # the launcher says it once, for every rank
+            os._exit(INTERRUPTED)  # quiet, as a rank's Ctrl-C is: its launcher says it
