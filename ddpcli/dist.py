@@ -100,7 +100,8 @@ def init_distributed(
         # can itself hang; 1 (what torchrun's agent sets) aborts first. Nothing measured
         # argues for overriding torch (see docs/multi-node.md).
         try:
-            with ctrl_c_ends_a_stuck_wait():  # a peer the same Ctrl-C ended never comes
+            # A peer that the same Ctrl-C ended never comes. Started by hand, a rank says so.
+            with ctrl_c_ends_a_stuck_wait(said=env.launcher == "env"):
                 dist.init_process_group(
                     backend=backend,
                     **rendezvous_args(env, init_method, timeout_s),

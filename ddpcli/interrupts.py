@@ -99,9 +99,12 @@ INTERRUPTED = 130  # 128 + SIGINT, the code a Ctrl-C ends a rank with
 
 
 @contextlib.contextmanager
-def ctrl_c_ends_a_stuck_wait(grace_s: float = STUCK_AFTER_CTRL_C_S) -> Iterator[None]:
+def ctrl_c_ends_a_stuck_wait(
+    grace_s: float = STUCK_AFTER_CTRL_C_S, said: bool = False
+) -> Iterator[None]:
     """For a block that only waits on peers (joining the process group, nothing to save yet):
-    a Ctrl-C the block has not ended by GRACE_S later ends the process quietly with 130. The
+    a Ctrl-C the block has not ended by GRACE_S later ends the process with 130, quietly
+    unless SAID (a process no launcher speaks for: it says `error: interrupted`). The
     wait runs in C++, where Python's handler never runs, and a peer that the same Ctrl-C
     ended never comes: a launched rank sat out the launcher's 30 s grace, one started by
     hand its whole timeout. Python's C handler still writes each signal's number to the
@@ -118,7 +121,7 @@ def ctrl_c_ends_a_stuck_wait(grace_s: float = STUCK_AFTER_CTRL_C_S) -> Iterator[
     try:
         previous = signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
         watch = threading.Thread(
-            target=end_when_stuck, args=(read_end, previous, over, grace_s), daemon=True
+            target=end_when_stuck, args=(read_end, previous, over, grace_s, said), daemon=True
         )
         watch.start()
         yield
@@ -132,10 +135,14 @@ def ctrl_c_ends_a_stuck_wait(grace_s: float = STUCK_AFTER_CTRL_C_S) -> Iterator[
         os.close(read_end)
 
 
-def end_when_stuck(read_end: int, previous: int, over: threading.Event, grace_s: float) -> None:
+def end_when_stuck(
+    read_end: int, previous: int, over: threading.Event, grace_s: float, said: bool
+) -> None:
     while signals := os.read(read_end, 64):
         if previous >= 0:  # the wakeup fd set before ours still hears of every signal
             with contextlib.suppress(OSError):
                 os.write(previous, signals)
         if signal.SIGINT in signals and not over.wait(grace_s):
-            os._exit(INTERRUPTED)  # quiet, as a rank's Ctrl-C is: its launcher says it
+            if said:  # written past sys.stderr, whose lock the stuck main thread may hold
+                os.write(2, b"error: interrupted\n")
+            os._exit(INTERRUPTED)

@@ -145,10 +145,12 @@ JOIN_ALONE = """
 """
 
 
-def test_a_ctrl_c_ends_a_rank_waiting_in_cpp_for_a_peer_that_never_comes(tmp_path):
+@pytest.mark.parametrize("started_by", ["hand", "an elastic agent"])
+def test_a_ctrl_c_ends_a_rank_waiting_in_cpp_for_a_peer_that_never_comes(started_by, tmp_path):
     """A rank joining the process group waits in C++ for its peers, where Python's handler
     never runs: a peer that the same Ctrl-C ended never comes, and the rank waited out the
-    group's timeout (here 60 s), or the launcher's 30 s grace. It ends within the grace."""
+    group's timeout (here 60 s), or the launcher's 30 s grace. It ends within the grace,
+    saying so where no launcher speaks for it."""
     from ddpcli.interrupts import STUCK_AFTER_CTRL_C_S
 
     script = tmp_path / "join.py"
@@ -156,13 +158,15 @@ def test_a_ctrl_c_ends_a_rank_waiting_in_cpp_for_a_peer_that_never_comes(tmp_pat
     env = clean_env(
         PYTHONPATH=str(REPO), RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(free_port()),
+        **({"TORCHELASTIC_RUN_ID": "test"} if started_by != "hand" else {}),
     )  # fmt: skip
     started = time.monotonic()
     code, stdout, stderr = ctrl_c_once_it_says(
         [sys.executable, str(script)], env, tmp_path, "joining", after_s=1
     )  # by then waiting in C++ (joining takes milliseconds to get there)
     assert code == 130, stderr[-2000:]
-    assert stderr.strip() == "joining" and stdout == ""  # quiet: the launcher says it once
+    said = ["error: interrupted"] if started_by == "hand" else []  # else its launcher says it
+    assert stderr.splitlines() == ["joining", *said] and stdout == "", stderr
     assert time.monotonic() - started < STUCK_AFTER_CTRL_C_S + 20
 
 
